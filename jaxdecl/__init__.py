@@ -1,0 +1,50 @@
+"""jaxdecl: declare non-JAX code as first-class JAX primitives.
+
+Write one class, mark its methods with decorators, and get an op that works
+under every JAX transformation. See README.md and ``tutorials/``.
+
+Example:
+    >>> import jax, numpy as np, jaxdecl as jd
+    >>> class Mul(jd.Primitive):
+    ...     @jd.abstract
+    ...     def shapes(self, x1, x2):
+    ...         return jax.ShapeDtypeStruct(x1.shape, x1.dtype)
+    ...     @jd.forward
+    ...     def apply(self, x1, x2, *, out):
+    ...         np.multiply(x1, x2**2, out=out)
+    ...     @jd.vjp
+    ...     def pull(self, x1, x2, ct):
+    ...         return x2**2 * ct, 2 * x1 * x2 * ct
+    >>> float(jax.grad(lambda a, b: Mul()(a, b))(1.0, 3.0))
+    9.0
+"""
+
+from . import _primitive as _primitive  # registers the primitive with JAX
+from ._check import check as check
+from ._declare import (
+    Primitive as Primitive,
+    PrimitiveMeta as PrimitiveMeta,
+    abstract as abstract,
+    adjoint as adjoint,
+    batch as batch,
+    forward as forward,
+    jvp as jvp,
+    primitive as primitive,
+    transpose as transpose,
+    vjp as vjp,
+)
+from ._dtypes import SUPPORTED as SUPPORTED_DTYPES
+from ._errors import (
+    BufferEscapeError as BufferEscapeError,
+    DeclarationError as DeclarationError,
+    MissingRuleError as MissingRuleError,
+    RuleError as RuleError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Primitive", "PrimitiveMeta", "primitive", "abstract", "forward", "jvp", "vjp",
+    "transpose", "adjoint", "batch", "check", "SUPPORTED_DTYPES", "DeclarationError",
+    "MissingRuleError", "RuleError", "BufferEscapeError",
+]

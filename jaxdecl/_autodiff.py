@@ -1,0 +1,321 @@
+"""Forward- and reverse-mode rules of the ``jaxdecl_call`` primitive.
+
+The wiring that gives an opaque function both modes: the forward rule's JVP
+binds the ``jvp`` rule, linear in the tangents; transposing that binds the
+``vjp`` rule, linear in the cotangents; transposing *that* binds ``jvp`` again.
+Linear ops map forward <-> ``transpose``; multilinear ops map forward <->
+``transpose_wrt`` one input at a time. Each rule is linear (or multilinear) in
+some operands ("slots"); a tangent on any other operand needs a second
+derivative, which exists only for traceable rules.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.core import ShapedArray
+
+from . import _compat
+from ._errors import MissingRuleError
+from ._layout import FORWARD, JVP, TRANSPOSE, TRANSPOSE_WRT, VJP
+
+Zero = _compat.Zero
+
+
+def _bind(op, rule, operands, primals, batch, wrt=-1):
+    from ._primitive import jaxdecl_p
+
+    return jaxdecl_p.bind(*operands, op=op, rule=rule, wrt=wrt, primals=primals, batch=batch)
+
+
+def _is_zero(t) -> bool:
+    return type(t) is Zero
+
+
+def _zero_like(shape, dtype, batch) -> Zero:
+    return _compat.float0_zero(ShapedArray(batch + shape, dtype))
+
+
+def _check_nondiff(op, layout, tangents) -> None:
+    """A tangent on a nondiff= input is an error, never silently dropped."""
+    for index, tangent in enumerate(tangents[:len(layout.inputs)]):
+        if not layout.diff[index] and not _is_zero(tangent) and \
+                tangent.dtype != jax.dtypes.float0:
+            name = op.spec.params[index]
+            raise ValueError(
+                f"{op.spec.name}: input {name!r} is declared nondiff=, so jaxdecl cannot "
+                f"differentiate with respect to it (a value that depends on what you "
+                f"differentiate flows into it); wrap it in jax.lax.stop_gradient if its "
+                f"derivative is meant to be zero"
+            )
+
+
+def _slots(op, layout, rule, wrt):
+    """Operand indices a rule is linear (or multilinear) in."""
+    n = len(layout.inputs)
+    n_ct = sum(layout.float_out)
+    diff = layout.diff_indices
+    if rule == FORWARD:
+        return diff
+    if rule == JVP:
+        return tuple(range(n, n + len(diff)))
+    if rule == VJP:
+        return tuple(range(n, n + n_ct))
+    if rule == TRANSPOSE:
+        n_lead = n - len(diff)
+        return tuple(range(n_lead, n_lead + n_ct))
+    # transpose_wrt: the other differentiable inputs, then the cotangents
+    others = [i for i in range(n) if i != wrt]
+    return tuple(k for k, i in enumerate(others) if layout.diff[i]) + tuple(
+        range(n - 1, n - 1 + n_ct))
+
+
+def _second_order_form(op, rule, layout):
+    """A JAX-traceable version of the jvp/vjp rule, so it can be differentiated again."""
+    own = op.traceable(rule)
+    if own is not None:
+        return own
+    other = op.traceable(VJP if rule == JVP else JVP)
+    if other is None:
+        return None
+    n = len(layout.inputs)
+    if rule == JVP:  # jvp(x, .) is the transpose of vjp(x, .)
+        ct_avals = [layout.outputs[j] for j in layout.float_out_indices]
+
+        def jvp_form(*operands):
+            xs, dxs = operands[:n], operands[n:]
+            structs = [jax.ShapeDtypeStruct(s, d) for s, d in ct_avals]
+            return list(jax.linear_transpose(lambda *c: other(*xs, *c), *structs)(list(dxs)))
+
+        return jvp_form
+    dx_avals = [layout.inputs[i] for i in layout.diff_indices]
+
+    def vjp_form(*operands):
+        xs, cts = operands[:n], operands[n:]
+        structs = [jax.ShapeDtypeStruct(s, d) for s, d in dx_avals]
+        return list(jax.linear_transpose(lambda *d: other(*xs, *d), *structs)(list(cts)))
+
+    return vjp_form
+
+
+def _not_differentiable(op, rule) -> MissingRuleError:
+    spec = op.spec
+    method = spec.describe(rule)
+    return MissingRuleError(
+        f"{method} (@{rule}) is a NumPy rule, so JAX cannot differentiate it again: second "
+        f"derivatives of {spec.name} (hessian, jvp of grad, grad of grad) need "
+        f"`@jd.{rule}(traceable=True)` written with jax.numpy or other jaxdecl ops (a "
+        f"traceable @{'vjp' if rule == JVP else 'jvp'} also works)"
+    )
+
+
+def jvp_rule(operands, tangents, *, op, rule, wrt, primals, batch):
+    spec = op.spec
+    layout = op.layout(primals)
+    params = dict(primals=primals, batch=batch, wrt=wrt)
+    if rule == FORWARD:
+        _check_nondiff(op, layout, tangents)
+        if not spec.linear and not spec.multilinear:
+            return _jvp_nonlinear(op, layout, operands, tangents, primals, batch)
+    elif rule in (TRANSPOSE, TRANSPOSE_WRT):
+        lead = [i for i in range(len(layout.inputs)) if i != wrt] if rule == TRANSPOSE_WRT \
+            else [i for i in range(len(layout.inputs)) if not layout.diff[i]]
+        _check_nondiff_lead(op, layout, lead, tangents)
+
+    slots = _slots(op, layout, rule, wrt)
+    others = [k for k in range(len(operands)) if k not in slots]
+    if any(not _is_zero(tangents[k]) and tangents[k].dtype != jax.dtypes.float0
+           for k in others):
+        # A tangent on a non-linear operand: differentiate a traceable form.
+        form = _second_order_form(op, rule, layout) if rule in (JVP, VJP) else None
+        if form is None:
+            raise _not_differentiable(op, rule if rule in (JVP, VJP) else JVP)
+        from ._batching import broadcast_vmapped
+
+        evaluate = broadcast_vmapped(form, batch, len(operands))
+        inst = [_compat.instantiate_zeros(t) if not _is_float0(t) else jnp.zeros_like(o)
+                for o, t in zip(operands, tangents)]
+        return jax.jvp(lambda *a: evaluate(*a), list(operands), inst)
+
+    outs = _bind(op, rule, operands, **params)
+    out_avals = [o.aval for o in outs]
+    float_mask = layout.float_out if rule == FORWARD else (True,) * len(outs)
+    live = [k for k in slots if not _is_zero(tangents[k])]
+    if not live:
+        return outs, [_compat.float0_zero(a) for a in out_avals]
+    jointly_linear = rule in (JVP, VJP, TRANSPOSE) or (rule == FORWARD and spec.linear)
+    if jointly_linear:
+        args = list(operands)
+        for k in slots:
+            args[k] = _compat.instantiate_zeros(tangents[k])
+        terms = [_bind(op, rule, args, **params)]
+    else:  # multilinear: one term per slot with a tangent
+        terms = []
+        for k in live:
+            args = list(operands)
+            args[k] = tangents[k]
+            terms.append(_bind(op, rule, args, **params))
+    total = [sum(t[j] for t in terms[1:]) + terms[0][j] if len(terms) > 1 else terms[0][j]
+             for j in range(len(outs))]
+    tangents_out = [total[j] if float_mask[j] else _compat.float0_zero(out_avals[j])
+                    for j in range(len(outs))]
+    return outs, tangents_out
+
+
+def _is_float0(t) -> bool:
+    return not _is_zero(t) and getattr(t, "dtype", None) == jax.dtypes.float0
+
+
+def _check_nondiff_lead(op, layout, lead_inputs, tangents) -> None:
+    for k, i in enumerate(lead_inputs):
+        if not layout.diff[i] and not _is_zero(tangents[k]) and not _is_float0(tangents[k]):
+            _check_nondiff(op, layout, [Zero(None)] * i + [tangents[k]])
+
+
+def _jvp_nonlinear(op, layout, operands, tangents, primals, batch):
+    n = len(layout.inputs)
+    diff = layout.diff_indices
+    live = any(not _is_zero(tangents[i]) for i in diff)
+    if not live or not any(layout.float_out):
+        outs = _bind(op, FORWARD, operands, primals, batch)
+        return outs, [_compat.float0_zero(o.aval) for o in outs]
+    dxs = [_compat.instantiate_zeros(tangents[i]) for i in diff]
+    inline = op.traceable(JVP)
+    if inline is not None and "vjp" not in op.spec.rules:
+        # JAX differentiates and transposes the traceable rule itself.
+        from ._batching import broadcast_vmapped
+
+        tangent_outs = broadcast_vmapped(inline, batch, n + len(dxs))(*operands, *dxs)
+    else:
+        # Bound before the forward so that a missing @jvp fails before any rule runs.
+        tangent_outs = _bind(op, JVP, list(operands) + dxs, primals, batch)
+    outs = _bind(op, FORWARD, operands, primals, batch)
+    tangent_iter = iter(tangent_outs)
+    return outs, [next(tangent_iter) if f else _compat.float0_zero(o.aval)
+                  for f, o in zip(layout.float_out, outs)]
+
+
+# ---------------------------------------------------------------------------------------
+# Transposition
+# ---------------------------------------------------------------------------------------
+
+def _fit(ct, aval):
+    """Sums a cotangent over batch dimensions its operand broadcast (had size 1)."""
+    if ct is None or _is_zero(ct) or tuple(ct.shape) == tuple(aval.shape):
+        return ct
+    axes = tuple(i for i, (c, a) in enumerate(zip(ct.shape, aval.shape)) if a == 1 and c != 1)
+    return jnp.sum(ct, axis=axes, keepdims=True)
+
+
+def _operand_aval(x):
+    return x.aval if _compat.is_undefined_primal(x) else _compat.get_aval(x)
+
+
+def transpose_rule(cts, *operands, op, rule, wrt, primals, batch):
+    spec = op.spec
+    layout = op.layout(primals)
+    n = len(layout.inputs)
+    undefined = [k for k, x in enumerate(operands) if _compat.is_undefined_primal(x)]
+    out_cts = [None] * len(operands)
+    float_cts = [cts[j] for j in range(len(cts))
+                 if rule != FORWARD or layout.float_out[j]]
+    if all(_is_zero(c) for c in float_cts):
+        for k in undefined:
+            out_cts[k] = Zero(operands[k].aval)
+        return out_cts
+    from jax.interpreters import ad
+
+    float_cts = [ad.instantiate_zeros(c) for c in float_cts]
+    params = dict(primals=primals, batch=batch)
+
+    def defined(ks):
+        return [operands[k] for k in ks]
+
+    if rule == FORWARD and spec.linear:
+        lead = [i for i in range(n) if not layout.diff[i]]
+        if any(k in undefined for k in lead):
+            raise ValueError(f"{spec.name}: a nondiff input cannot be transposed")
+        results = _bind(op, TRANSPOSE, defined(lead) + float_cts, **params)
+        for i, r in zip(layout.diff_indices, results):
+            if i in undefined:
+                out_cts[i] = r
+    elif rule == FORWARD and spec.multilinear:
+        if len(undefined) != 1:
+            raise ValueError(
+                f"{spec.name} is multilinear: it is linear in one input at a time, but "
+                f"{len(undefined)} inputs were transposed together"
+            )
+        i = undefined[0]
+        others = [k for k in range(n) if k != i]
+        out_cts[i] = _bind(op, TRANSPOSE_WRT, defined(others) + float_cts, wrt=i, **params)[0]
+    elif rule == FORWARD:  # pragma: no cover - JAX only transposes linear equations
+        raise ValueError(f"{spec.name} is not linear; its forward cannot be transposed")
+    elif rule == JVP:
+        xs = defined(range(n))
+        inline = op.traceable(VJP)
+        if inline is not None:
+            from ._batching import broadcast_vmapped
+
+            results = broadcast_vmapped(inline, batch, n + len(float_cts))(*xs, *float_cts)
+        elif "vjp" in spec.rules:
+            results = _bind(op, VJP, xs + float_cts, **params)
+        else:
+            from ._op import missing_rule
+
+            raise missing_rule(spec, VJP)
+        for k, r in zip(range(n, len(operands)), results):
+            out_cts[k] = r
+    elif rule == VJP:
+        xs = defined(range(n))
+        inline = op.traceable(JVP)
+        if inline is not None:
+            from ._batching import broadcast_vmapped
+
+            results = broadcast_vmapped(inline, batch, n + len(float_cts))(*xs, *float_cts)
+        elif "jvp" in spec.rules:
+            results = _bind(op, JVP, xs + float_cts, **params)
+        else:
+            from ._op import missing_rule
+
+            raise missing_rule(spec, JVP)
+        for k, r in zip(range(n, len(operands)), results):
+            out_cts[k] = r
+    elif rule == TRANSPOSE:
+        lead = [i for i in range(n) if not layout.diff[i]]
+        args = [None] * n
+        for position, i in enumerate(lead):
+            args[i] = operands[position]
+        for i, c in zip(layout.diff_indices, float_cts):
+            args[i] = c
+        results = _bind(op, FORWARD, args, **params)
+        float_results = [r for r, f in zip(results, layout.float_out) if f]
+        for k, r in zip(range(len(lead), len(operands)), float_results):
+            out_cts[k] = r
+    else:  # TRANSPOSE_WRT: multilinear in (other differentiable inputs, cotangents)
+        others = [i for i in range(n) if i != wrt]
+        if len(undefined) > 0 and all(k >= n - 1 for k in undefined):
+            # w.r.t. the cotangents: the forward with input `wrt` set to ct
+            args = [None] * n
+            for position, i in enumerate(others):
+                args[i] = operands[position]
+            args[wrt] = float_cts[0]
+            results = _bind(op, FORWARD, args, **params)
+            float_results = [r for r, f in zip(results, layout.float_out) if f]
+            for k, r in zip(range(n - 1, len(operands)), float_results):
+                if k in undefined:
+                    out_cts[k] = r
+        elif len(undefined) == 1:
+            position = undefined[0]
+            j = others[position]
+            args = [None] * n
+            for p, i in enumerate(others):
+                args[i] = operands[p]
+            args[wrt] = float_cts[0]
+            rest = [args[i] for i in range(n) if i != j]
+            cts_in = [operands[k] for k in range(n - 1, len(operands))]
+            out_cts[position] = _bind(op, TRANSPOSE_WRT, rest + cts_in, wrt=j, **params)[0]
+        else:
+            raise ValueError(f"{spec.name}: a multilinear transpose was transposed in "
+                             f"{len(undefined)} operands at once")
+    return [_fit(c, _operand_aval(operands[k])) if k in undefined else None
+            for k, c in enumerate(out_cts)]

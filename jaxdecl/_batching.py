@@ -1,0 +1,118 @@
+"""``vmap`` of the ``jaxdecl_call`` primitive.
+
+Without a user ``@batch`` rule, a vmapped equation becomes the same rule with
+one more leading batch dimension (the ``batch`` parameter): batched operands
+have their batch axis moved to the front, unbatched ones get a size-1 axis
+there (a reshape, no copy), which broadcasts. The host kernel then either
+calls the NumPy rule once per element inside one XLA call (``batch="loop"``)
+or hands it the whole batch (``batch="vectorized"``). Derived rules (jvp, vjp,
+transpose) batch the same way, so users write no batching code for them.
+
+A user ``@batch`` rule handles the forward; a linear op's ``transpose`` is then
+batched as the transpose of that batched forward, so one rule serves both.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import _compat
+from ._layout import FORWARD, TRANSPOSE
+
+not_mapped = _compat.not_mapped
+
+
+def broadcast_vmapped(function, batch: tuple, n_operands: int):
+    """Applies a traceable rule to operands with leading (maybe size-1) batch dims."""
+    if not batch:
+        return function
+
+    def batched(*operands):
+        full = [jnp.broadcast_to(x, batch + tuple(x.shape[len(batch):])) for x in operands]
+        mapped = function
+        for _ in batch:
+            mapped = jax.vmap(mapped)
+        return mapped(*full)
+
+    return batched
+
+
+def _batch_size(args, dims) -> int:
+    for x, d in zip(args, dims):
+        if d is not not_mapped:
+            return x.shape[d]
+    raise ValueError("jaxdecl: vmap of an equation with no batched operand")  # pragma: no cover
+
+
+def batch_rule(args, dims, *, op, rule, wrt, primals, batch):
+    spec = op.spec
+    user = spec.rules.get("batch")
+    if user is not None and rule == FORWARD:
+        return _user_batch(op, args, dims)
+    if user is not None and rule == TRANSPOSE:
+        return _transpose_of_user_batch(op, args, dims, primals)
+    from ._autodiff import _bind
+
+    size = _batch_size(args, dims)
+    moved = [jnp.expand_dims(x, 0) if d is not_mapped else jnp.moveaxis(x, d, 0)
+             for x, d in zip(args, dims)]
+    outs = _bind(op, rule, moved, primals, (size,) + batch, wrt=wrt)
+    return outs, [0] * len(outs)
+
+
+def _call_user_batch(op, args, axes):
+    spec = op.spec
+    rule = spec.rules["batch"]
+    result = rule.bind(op.instance)(tuple(args), tuple(axes))
+    try:
+        outs, out_axes = result
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"{spec.name}.{rule.name} (@batch) must return (outputs, out_axes); got {result!r}"
+        ) from None
+    if not isinstance(outs, (tuple, list)):
+        outs, out_axes = [outs], [out_axes]
+    elif not isinstance(out_axes, (tuple, list)):
+        out_axes = [out_axes] * len(outs)
+    if len(out_axes) != len(outs):
+        raise TypeError(
+            f"{spec.name}.{rule.name} (@batch) returned {len(outs)} outputs but "
+            f"{len(out_axes)} out_axes"
+        )
+    return list(outs), [not_mapped if a is None else a for a in out_axes]
+
+
+def _user_batch(op, args, dims):
+    axes = [None if d is not_mapped else d for d in dims]
+    return _call_user_batch(op, args, axes)
+
+
+def _transpose_of_user_batch(op, args, dims, primals):
+    """Batches ``transpose`` as the linear transpose of the user's batched forward."""
+    layout = op.layout(primals)
+    n = len(layout.inputs)
+    diff = layout.diff_indices
+    lead = [i for i in range(n) if not layout.diff[i]]
+    size = _batch_size(args, dims)
+    n_lead = len(lead)
+    lead_args, lead_dims = args[:n_lead], dims[:n_lead]
+    cts = [jnp.broadcast_to(c, (size,) + c.shape) if d is not_mapped else jnp.moveaxis(c, d, 0)
+           for c, d in zip(args[n_lead:], dims[n_lead:])]
+
+    def batched_forward(*linear):
+        full, axes = [None] * n, [None] * n
+        for position, i in enumerate(lead):
+            full[i] = lead_args[position]
+            axes[i] = None if lead_dims[position] is not_mapped else lead_dims[position]
+        for x, i in zip(linear, diff):
+            full[i], axes[i] = x, 0
+        outs, out_axes = _call_user_batch(op, full, axes)
+        moved = [jnp.broadcast_to(o, (size,) + o.shape) if a is not_mapped
+                 else jnp.moveaxis(o, a, 0) for o, a in zip(outs, out_axes)]
+        return [o for o, f in zip(moved, layout.float_out) if f]
+
+    structs = [jax.ShapeDtypeStruct((size,) + layout.inputs[i][0], layout.inputs[i][1])
+               for i in diff]
+    results = jax.linear_transpose(batched_forward, *structs)(cts)
+    return list(results), [0] * len(results)

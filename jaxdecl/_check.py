@@ -1,0 +1,2 @@
+def check(op, *args, **kw):
+    raise NotImplementedError

@@ -1,0 +1,56 @@
+"""The one place that knows about JAX's internal, version-dependent API.
+
+jaxdecl emits its own JAX primitive, which needs JAX's autodiff, batching and
+lowering registries; they live in modules JAX does not promise to keep stable.
+Everything version-specific is imported or shimmed here.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.interpreters import ad, batching, mlir
+
+try:  # jax >= 0.4.36
+    from jax.extend.core import Primitive
+except ImportError:  # pragma: no cover - older jax
+    from jax.core import Primitive
+
+Zero = ad.Zero
+UndefinedPrimal = ad.UndefinedPrimal
+is_undefined_primal = ad.is_undefined_primal
+instantiate_zeros = ad.instantiate_zeros
+# vmap marks an unbatched operand with None (a NotMapped sentinel in older JAX).
+not_mapped = getattr(batching, "not_mapped", None)
+Tracer = jax.core.Tracer
+JaxRuntimeError = getattr(jax.errors, "JaxRuntimeError", RuntimeError)
+
+__all__ = [
+    "Primitive", "Zero", "UndefinedPrimal", "is_undefined_primal", "instantiate_zeros",
+    "not_mapped", "Tracer", "JaxRuntimeError", "ad", "batching", "mlir",
+    "forbid_host_transfers", "restore_host_transfers", "float0_zero",
+]
+
+
+def float0_zero(aval) -> Zero:
+    """The symbolic zero tangent of a primal value (float0 for integers)."""
+    return Zero(aval.to_tangent_aval())
+
+
+def forbid_host_transfers():
+    """Makes host-to-device transfers on this thread raise; returns a restore token.
+
+    Used while a rule runs on one of XLA's own worker threads: a rule that calls
+    JAX there waits on a computation that waits on the rule (a deadlock), so
+    the first transfer of a NumPy value into JAX fails instead.
+    """
+    guard = jax.transfer_guard_host_to_device("disallow")
+    guard.__enter__()
+    return guard
+
+
+def restore_host_transfers(guard) -> None:
+    """Undoes :func:`forbid_host_transfers`."""
+    guard.__exit__(None, None, None)
+
+get_aval = jax.typeof
+from jax._src.dispatch import apply_primitive  # noqa: E402 - eager evaluation of a primitive

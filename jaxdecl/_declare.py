@@ -1,0 +1,488 @@
+"""Declaring a primitive: the rule decorators, the metaclass and ``@jd.primitive``.
+
+A class becomes a jaxdecl primitive by marking methods with the decorators
+below. The marks are collected into an :class:`OpSpec` when the class is
+created, and a misdeclared class is rejected there, naming the class and
+the method, long before anything is traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable
+
+from ._errors import DeclarationError
+
+RULE_KINDS = ("abstract", "forward", "jvp", "vjp", "transpose", "adjoint", "batch")
+_MARK = "__jaxdecl_rule__"
+BATCH_MODES = ("loop", "vectorized")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One decorated method: what it is for and how it wants to be called."""
+
+    kind: str
+    name: str  # the method's name, for messages
+    function: Callable
+    traceable: bool = False  # takes and returns JAX values (jax.numpy, other ops)
+    wrt: str | None = None  # multilinear transpose: which input
+    zero_copy: bool = False  # fills a keyword-only `out` instead of returning
+
+    def bind(self, instance) -> Callable:
+        return self.function.__get__(instance, type(instance))
+
+
+def _make_decorator(kind: str, doc: str, *, traceable_ok: bool = False, wrt_ok: bool = False):
+    def decorator(function=None, *, traceable: bool = False, wrt: str | None = None):
+        if traceable and not traceable_ok:
+            raise TypeError(f"@jd.{kind} takes no traceable= option")
+        if wrt is not None and not wrt_ok:
+            raise TypeError(f"@jd.{kind} takes no wrt= option")
+
+        def mark(fn):
+            if not callable(fn):
+                raise TypeError(f"@jd.{kind} decorates a method, got {fn!r}")
+            setattr(fn, _MARK, Rule(kind, fn.__name__, fn, traceable, wrt, _takes_out(fn)))
+            return fn
+
+        return mark if function is None else mark(function)
+
+    decorator.__name__ = kind
+    decorator.__qualname__ = kind
+    decorator.__doc__ = doc
+    return decorator
+
+
+def _takes_out(fn) -> bool:
+    try:
+        parameter = inspect.signature(fn).parameters.get("out")
+    except (TypeError, ValueError):
+        return False
+    return parameter is not None and parameter.kind is inspect.Parameter.KEYWORD_ONLY
+
+
+abstract = _make_decorator("abstract", """Marks the shape rule: inputs as ``jax.ShapeDtypeStruct`` -> output struct(s).
+
+Example:
+    >>> import jax, jaxdecl as jd
+    >>> class Double(jd.Primitive):
+    ...     @jd.abstract
+    ...     def shapes(self, x):
+    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    ...     @jd.forward
+    ...     def apply(self, x):
+    ...         return 2 * x
+    >>> float(Double()(1.5))
+    3.0
+""")
+
+forward = _make_decorator("forward", """Marks the evaluation rule, run on NumPy views of XLA's buffers.
+
+Either return the result array(s), or take a keyword-only ``out`` (an array,
+or a tuple of them) and fill it in place (zero-copy form).
+
+Example:
+    >>> import jax, numpy as np, jaxdecl as jd
+    >>> class Square(jd.Primitive):
+    ...     @jd.abstract
+    ...     def shapes(self, x):
+    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    ...     @jd.forward
+    ...     def apply(self, x, *, out):
+    ...         np.multiply(x, x, out=out)
+    >>> float(Square()(3.0))
+    9.0
+""")
+
+jvp = _make_decorator("jvp", """Marks the forward-mode rule ``(self, *inputs, *tangents) -> output tangent(s)``.
+
+One tangent arrives per differentiable input (floating or complex, not in
+``nondiff=``), in input order. With ``traceable=True`` the rule receives and
+returns JAX values and is differentiated again by JAX (higher order).
+
+Example:
+    >>> import jax, jaxdecl as jd
+    >>> class Sin(jd.Primitive):
+    ...     @jd.abstract
+    ...     def shapes(self, x):
+    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    ...     @jd.forward
+    ...     def apply(self, x):
+    ...         import numpy as np; return np.sin(x)
+    ...     @jd.jvp(traceable=True)
+    ...     def push(self, x, dx):
+    ...         return jax.numpy.cos(x) * dx
+    >>> round(float(jax.grad(Sin())(0.0)), 6)
+    1.0
+""", traceable_ok=True)
+
+vjp = _make_decorator("vjp", """Marks the reverse-mode rule ``(self, *inputs, *cotangents) -> input cotangent(s)``.
+
+One cotangent arrives per floating/complex output; one is returned per
+differentiable input (a tuple if several). Returns Jᵀ·ct, not conjugated.
+
+Example:
+    >>> import jax, numpy as np, jaxdecl as jd
+    >>> class Cube(jd.Primitive):
+    ...     @jd.abstract
+    ...     def shapes(self, x):
+    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    ...     @jd.forward
+    ...     def apply(self, x):
+    ...         return x**3
+    ...     @jd.vjp
+    ...     def pull(self, x, ct):
+    ...         return 3 * x**2 * ct
+    >>> float(jax.grad(Cube())(2.0))
+    12.0
+""", traceable_ok=True)
+
+transpose = _make_decorator("transpose", """Marks the transpose of a linear or multilinear op.
+
+Linear op: ``(self, *nondiff_inputs, *cotangents) -> cotangent(s) of the linear inputs``.
+Multilinear op: ``@jd.transpose(wrt="x")`` with ``(self, *inputs_but_x, ct) -> ct_x``.
+
+Example:
+    >>> import jax, numpy as np, jaxdecl as jd
+    >>> class Scale(jd.Primitive, linear=True):
+    ...     @jd.abstract
+    ...     def shapes(self, x):
+    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    ...     @jd.forward
+    ...     def apply(self, x):
+    ...         return 3 * x
+    ...     @jd.transpose
+    ...     def apply_t(self, ct):
+    ...         return 3 * ct
+    >>> float(jax.grad(Scale())(1.0))
+    3.0
+""", wrt_ok=True)
+
+adjoint = _make_decorator("adjoint", """Marks the conjugate transpose (Aᴴy) of a linear op, instead of ``@transpose``.
+
+jaxdecl derives the transpose as ``conj(adjoint(conj(ct)))``; handy for
+libraries (FFTs, DUCC) that provide adjoints.
+
+Example:
+    >>> import jax, numpy as np, jaxdecl as jd
+    >>> class Rotate(jd.Primitive, linear=True):
+    ...     @jd.abstract
+    ...     def shapes(self, x):
+    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    ...     @jd.forward
+    ...     def apply(self, x):
+    ...         return 1j * x
+    ...     @jd.adjoint
+    ...     def apply_h(self, y):
+    ...         return -1j * y
+    >>> complex(jax.linear_transpose(Rotate(), 1j)(1.0 + 0j))
+    1j
+""")
+
+batch = _make_decorator("batch", """Marks a trace-time batching rule ``(self, args, axes) -> (outputs, out_axes)``.
+
+`args` are JAX values, `axes` their batch axis (an int, or None when not
+batched). The rule may call any op, typically a reconfigured instance of the
+same class that folds the batch into a native axis.
+
+Example:
+    >>> import jax, jax.numpy as jnp, jaxdecl as jd
+    >>> class Neg(jd.Primitive):
+    ...     @jd.abstract
+    ...     def shapes(self, x):
+    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    ...     @jd.forward
+    ...     def apply(self, x):
+    ...         return -x
+    ...     @jd.batch
+    ...     def batched(self, args, axes):
+    ...         return self(*args), axes[0]
+    >>> jax.vmap(Neg())(jnp.ones(2)).tolist()
+    [-1.0, -1.0]
+""")
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+    """Everything jaxdecl knows about a primitive class, collected once."""
+
+    name: str
+    params: tuple[str, ...]  # input names, from @forward's signature
+    rules: dict  # kind -> Rule (transpose: only the linear one)
+    transposes_wrt: dict  # multilinear: input name -> Rule
+    linear: bool
+    multilinear: bool
+    nondiff: frozenset
+    batch_mode: str
+
+    def rule(self, kind: str) -> Rule | None:
+        return self.rules.get(kind)
+
+    def describe(self, kind: str) -> str:
+        """`Class.method` for a rule, for messages."""
+        rule = self.rules.get(kind)
+        return f"{self.name}.{rule.name}" if rule else f"{self.name} (@{kind})"
+
+
+_OPTIONS = ("linear", "multilinear", "nondiff", "batch")
+
+
+def _input_names(cls_name: str, rule: Rule) -> tuple[str, ...]:
+    signature = inspect.signature(rule.function)
+    names = []
+    parameters = list(signature.parameters.values())[1:]  # skip self
+    for parameter in parameters:
+        if parameter.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                              inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            names.append(parameter.name)
+        elif parameter.kind is inspect.Parameter.KEYWORD_ONLY and parameter.name == "out":
+            continue
+        else:
+            raise DeclarationError(
+                f"{cls_name}.{rule.name} (@{rule.kind}): parameter {parameter.name!r} must be "
+                f"a plain positional input (no *args, **kwargs, or keyword-only other than out)"
+            )
+    return tuple(names)
+
+
+def _collect_rules(cls) -> list[Rule]:
+    """Marked methods of `cls` and its bases, the most derived one winning by name."""
+    seen: dict[str, Rule] = {}
+    for klass in reversed(cls.__mro__):
+        for attr, value in vars(klass).items():
+            function = getattr(value, "__func__", value)  # staticmethod/classmethod guard
+            rule = getattr(function, _MARK, None)
+            if isinstance(rule, Rule):
+                seen[attr] = rule
+            elif attr in seen:
+                del seen[attr]  # overridden by an unmarked method
+    return list(seen.values())
+
+
+def build_spec(cls, options: dict[str, Any]) -> OpSpec:
+    """Collects and validates the rules of `cls`; raises DeclarationError."""
+    name = cls.__name__
+    unknown = set(options) - set(_OPTIONS)
+    if unknown:
+        raise DeclarationError(
+            f"{name}: unknown option(s) {sorted(unknown)}; jaxdecl options are {list(_OPTIONS)}"
+        )
+    linear = bool(options.get("linear", False))
+    multilinear = bool(options.get("multilinear", False))
+    batch_mode = options.get("batch", "loop")
+    nondiff = options.get("nondiff", ())
+    if isinstance(nondiff, str):
+        nondiff = (nondiff,)
+    nondiff = frozenset(nondiff)
+    if linear and multilinear:
+        raise DeclarationError(f"{name}: choose one of linear=True and multilinear=True")
+    if batch_mode not in BATCH_MODES:
+        raise DeclarationError(
+            f"{name}: batch={batch_mode!r} is not one of {BATCH_MODES}"
+        )
+
+    rules: dict[str, Rule] = {}
+    transposes_wrt: dict[str, Rule] = {}
+    for rule in _collect_rules(cls):
+        if rule.kind == "transpose" and rule.wrt is not None:
+            if rule.wrt in transposes_wrt:
+                raise DeclarationError(
+                    f"{name}: two @transpose(wrt={rule.wrt!r}) methods, "
+                    f"{transposes_wrt[rule.wrt].name} and {rule.name}"
+                )
+            transposes_wrt[rule.wrt] = rule
+            continue
+        if rule.kind in rules:
+            raise DeclarationError(
+                f"{name}: two @{rule.kind} methods, {rules[rule.kind].name} and {rule.name}; "
+                f"keep one"
+            )
+        rules[rule.kind] = rule
+
+    for kind in ("forward", "abstract"):
+        if kind not in rules:
+            raise DeclarationError(
+                f"{name} has no @jd.{kind} method; every primitive needs "
+                + ("`@jd.forward def apply(self, ...)`" if kind == "forward"
+                   else "`@jd.abstract def shapes(self, ...)` returning jax.ShapeDtypeStruct(s)")
+            )
+    params = _input_names(name, rules["forward"])
+    abstract_params = _input_names(name, rules["abstract"])
+    if abstract_params != params:
+        raise DeclarationError(
+            f"{name}.{rules['abstract'].name} (@abstract) takes inputs {abstract_params}, but "
+            f"{name}.{rules['forward'].name} (@forward) takes {params}; they must match"
+        )
+    for input_name in nondiff:
+        if input_name not in params:
+            raise DeclarationError(
+                f"{name}: nondiff names {input_name!r}, which is not an input of "
+                f"{name}.{rules['forward'].name}{params}"
+            )
+
+    has_transpose = "transpose" in rules or "adjoint" in rules
+    if linear:
+        if "transpose" in rules and "adjoint" in rules:
+            raise DeclarationError(
+                f"{name}: give @transpose or @adjoint, not both "
+                f"({rules['transpose'].name}, {rules['adjoint'].name})"
+            )
+        if not has_transpose:
+            raise DeclarationError(
+                f"{name} is declared linear=True but has no @jd.transpose (or @jd.adjoint) method"
+            )
+        for kind in ("jvp", "vjp"):
+            if kind in rules:
+                raise DeclarationError(
+                    f"{name}.{rules[kind].name}: a linear=True op derives @{kind} from @forward "
+                    f"and @transpose; remove it"
+                )
+    elif has_transpose:
+        method = rules.get("transpose") or rules.get("adjoint")
+        raise DeclarationError(
+            f"{name}.{method.name}: @{method.kind} needs a linear op; declare the class with "
+            f"linear=True"
+            + (" (or multilinear=True with @transpose(wrt=...))" if not multilinear else
+               "; a multilinear op takes one @transpose(wrt=...) per input instead")
+        )
+    if transposes_wrt and not multilinear:
+        rule = next(iter(transposes_wrt.values()))
+        raise DeclarationError(
+            f"{name}.{rule.name}: @transpose(wrt=...) needs multilinear=True on the class"
+        )
+    if multilinear:
+        for kind in ("jvp", "vjp"):
+            if kind in rules:
+                raise DeclarationError(
+                    f"{name}.{rules[kind].name}: a multilinear=True op derives @{kind} from "
+                    f"@forward and its @transpose(wrt=...) rules; remove it"
+                )
+        for wrt, rule in transposes_wrt.items():
+            if wrt not in params:
+                raise DeclarationError(
+                    f"{name}.{rule.name}: @transpose(wrt={wrt!r}) names no input of {params}"
+                )
+            if wrt in nondiff:
+                raise DeclarationError(
+                    f"{name}.{rule.name}: @transpose(wrt={wrt!r}) names a nondiff input"
+                )
+        missing = [p for p in params if p not in nondiff and p not in transposes_wrt]
+        if missing:
+            raise DeclarationError(
+                f"{name} is multilinear but has no @jd.transpose(wrt=...) for input(s) "
+                f"{missing}; add one per differentiable input, or list integer inputs in nondiff="
+            )
+    for rule in rules.values():
+        if rule.traceable and rule.zero_copy:
+            raise DeclarationError(
+                f"{name}.{rule.name}: a traceable rule returns JAX values; it cannot take `out`"
+            )
+    if "batch" in rules and rules["batch"].zero_copy:
+        raise DeclarationError(f"{name}.{rules['batch'].name}: @batch rules cannot take `out`")
+
+    return OpSpec(
+        name=name, params=params, rules=rules, transposes_wrt=transposes_wrt, linear=linear,
+        multilinear=multilinear, nondiff=nondiff, batch_mode=batch_mode,
+    )
+
+
+def _op_call(self, *args, **kwargs):
+    """Applies the primitive to JAX arrays, NumPy arrays or Python scalars."""
+    from ._op import apply_op
+
+    return apply_op(self, args, kwargs)
+
+
+def _install(cls, options: dict[str, Any]):
+    spec = build_spec(cls, options)
+    cls.__jaxdecl_spec__ = spec
+    return cls
+
+
+class PrimitiveMeta(type):
+    """Metaclass of :class:`Primitive`: collects and validates the rules at class creation.
+
+    Options arrive as class keywords: ``class Op(jd.Primitive, linear=True)``.
+    """
+
+    def __new__(mcls, name, bases, namespace, **options):
+        cls = super().__new__(mcls, name, bases, namespace)
+        if namespace.get("__jaxdecl_base__", False):
+            return cls
+        # A subclass inherits its parent's options unless it gives its own.
+        inherited = dict(getattr(cls, "__jaxdecl_options__", {}))
+        inherited.update(options)
+        cls.__jaxdecl_options__ = inherited
+        return _install(cls, inherited)
+
+    def __init__(cls, name, bases, namespace, **options):
+        super().__init__(name, bases, namespace)
+
+
+class Primitive(metaclass=PrimitiveMeta):
+    """Base class of jaxdecl primitives: subclass it and decorate methods.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, numpy as np, jaxdecl as jd
+        >>> class Mul(jd.Primitive):
+        ...     @jd.abstract
+        ...     def shapes(self, x1, x2):
+        ...         return jax.ShapeDtypeStruct(x1.shape, x1.dtype)
+        ...     @jd.forward
+        ...     def apply(self, x1, x2, *, out):
+        ...         np.multiply(x1, x2**2, out=out)
+        >>> Mul()(jnp.ones(2), jnp.full(2, 3.0)).tolist()
+        [9.0, 9.0]
+    """
+
+    __jaxdecl_base__ = True
+    __call__ = _op_call
+
+
+def primitive(cls=None, **options):
+    """Class decorator form of :class:`Primitive`, for classes with their own base or metaclass.
+
+    Adds ``__call__`` and leaves the class's metaclass alone, so it works on
+    ``equinox.Module`` or ``nifty.re.Model`` subclasses. Options as keywords:
+    ``@jd.primitive(linear=True)``.
+
+    Example:
+        >>> import jax, numpy as np, jaxdecl as jd
+        >>> @jd.primitive
+        ... class Half:
+        ...     @jd.abstract
+        ...     def shapes(self, x):
+        ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+        ...     @jd.forward
+        ...     def apply(self, x):
+        ...         return x / 2
+        >>> float(Half()(3.0))
+        1.5
+    """
+
+    def decorate(klass):
+        if not isinstance(klass, type):
+            raise TypeError(f"@jd.primitive decorates a class, got {klass!r}")
+        if "__call__" in vars(klass):
+            raise DeclarationError(
+                f"{klass.__name__} defines __call__; @jd.primitive makes instances callable "
+                f"as the op, so remove it (or call the op from another method)"
+            )
+        klass.__call__ = _op_call
+        klass.__jaxdecl_options__ = dict(options)
+        return _install(klass, options)
+
+    return decorate if cls is None else decorate(cls)
+
+
+def spec_of(op) -> OpSpec:
+    """The OpSpec of a jaxdecl op (instance) or class; TypeError otherwise."""
+    spec = getattr(op, "__jaxdecl_spec__", None)
+    if spec is None:
+        raise TypeError(f"{op!r} is not a jaxdecl primitive (subclass jd.Primitive or use "
+                        f"@jd.primitive)")
+    return spec
+
+

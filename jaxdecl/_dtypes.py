@@ -1,0 +1,40 @@
+"""Element types jaxdecl can hand to NumPy, and the checks that keep others out."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+#: dtypes a jaxdecl op accepts and produces (NumPy names).
+SUPPORTED = (
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+)
+
+_SUPPORTED_DTYPES = frozenset(
+    np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name) for name in SUPPORTED
+)
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The NumPy dtype for one of :data:`SUPPORTED`."""
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def is_supported(dtype) -> bool:
+    return np.dtype(dtype) in _SUPPORTED_DTYPES
+
+
+def is_differentiable(dtype) -> bool:
+    """Floating and complex values carry tangents; integers and bools do not."""
+    dtype = np.dtype(dtype)
+    return dtype == ml_dtypes.bfloat16 or np.issubdtype(dtype, np.inexact)
+
+
+def check_supported(dtype, what: str) -> None:
+    """Raises TypeError naming `what` when `dtype` cannot cross into NumPy."""
+    if not is_supported(dtype):
+        raise TypeError(
+            f"{what} has dtype {np.dtype(dtype).name}, which jaxdecl cannot pass to a NumPy "
+            f"rule; supported dtypes: {', '.join(SUPPORTED)}"
+        )

@@ -1,0 +1,30 @@
+"""Test set-up: two forced host CPU devices, float64 available, dtype tolerances."""
+
+import os
+
+# Must precede the first import of jax anywhere in the test session.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+
+TOLERANCES = {
+    np.dtype("float16"): 1e-2,
+    np.dtype("float32"): 1e-4,
+    np.dtype("complex64"): 1e-4,
+    np.dtype("float64"): 1e-10,
+    np.dtype("complex128"): 1e-10,
+}
+
+
+def tol(dtype) -> float:
+    """Relative tolerance for comparing results of `dtype`."""
+    return TOLERANCES.get(np.dtype(dtype), 1e-2)
+
+
+@pytest.fixture(params=["float32", "float64", "complex64", "complex128"])
+def inexact_dtype(request):
+    return np.dtype(request.param)
