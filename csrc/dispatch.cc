@@ -20,6 +20,8 @@
 #include <Python.h>
 
 #include <array>
+#include <chrono>
+#include <thread>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -178,14 +180,23 @@ std::string DescribeEscape(const Kernel& kernel, bool is_output,
   return message;
 }
 
-// Checks both tuples; on an escape tries one garbage collection (JAX's own
-// reference cycles can hold a view briefly) before reporting it.
+// Checks both tuples.  Before reporting an escape it collects garbage (JAX's
+// own reference cycles can hold a view) and gives other threads a few
+// milliseconds: a JAX array made from a view inside the rule lets go of the
+// view only when its device buffer is released, which XLA may do on another
+// thread just after the computation completes.  Only the failing path waits.
 std::string CheckEscapes(const Kernel& kernel, PyObject* inputs,
                          PyObject* outputs) {
   if (FirstEscaped(inputs) < 0 && FirstEscaped(outputs) < 0) return {};
-  PyObject* collected = PyObject_CallNoArgs(g_gc_collect);
-  if (collected == nullptr) PyErr_Clear();
-  Py_XDECREF(collected);
+  for (int attempt = 0; attempt < 20; ++attempt) {
+    PyObject* collected = PyObject_CallNoArgs(g_gc_collect);
+    if (collected == nullptr) PyErr_Clear();
+    Py_XDECREF(collected);
+    if (FirstEscaped(inputs) < 0 && FirstEscaped(outputs) < 0) return {};
+    Py_BEGIN_ALLOW_THREADS
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    Py_END_ALLOW_THREADS
+  }
   Py_ssize_t in = FirstEscaped(inputs);
   if (in >= 0) return DescribeEscape(kernel, false, in);
   Py_ssize_t out = FirstEscaped(outputs);

@@ -36,11 +36,14 @@ def _zero_like(shape, dtype, batch) -> Zero:
     return _compat.float0_zero(ShapedArray(batch + shape, dtype))
 
 
-def _check_nondiff(op, layout, tangents) -> None:
-    """A tangent on a nondiff= input is an error, never silently dropped."""
-    for index, tangent in enumerate(tangents[:len(layout.inputs)]):
-        if not layout.diff[index] and not _is_zero(tangent) and \
-                tangent.dtype != jax.dtypes.float0:
+def _check_nondiff(op, layout, tangents, inputs=None) -> None:
+    """A tangent on a nondiff= input is an error, never silently dropped.
+
+    `tangents[k]` belongs to primal input `inputs[k]` (default: input k).
+    """
+    inputs = range(len(tangents)) if inputs is None else inputs
+    for index, tangent in zip(inputs, tangents):
+        if not layout.diff[index] and not _is_zero(tangent) and not _is_float0(tangent):
             name = op.spec.params[index]
             raise ValueError(
                 f"{op.spec.name}: input {name!r} is declared nondiff=, so jaxdecl cannot "
@@ -114,13 +117,13 @@ def jvp_rule(operands, tangents, *, op, rule, wrt, primals, batch):
     layout = op.layout(primals)
     params = dict(primals=primals, batch=batch, wrt=wrt)
     if rule == FORWARD:
-        _check_nondiff(op, layout, tangents)
+        _check_nondiff(op, layout, tangents[:len(layout.inputs)])
         if not spec.linear and not spec.multilinear:
             return _jvp_nonlinear(op, layout, operands, tangents, primals, batch)
     elif rule in (TRANSPOSE, TRANSPOSE_WRT):
         lead = [i for i in range(len(layout.inputs)) if i != wrt] if rule == TRANSPOSE_WRT \
             else [i for i in range(len(layout.inputs)) if not layout.diff[i]]
-        _check_nondiff_lead(op, layout, lead, tangents)
+        _check_nondiff(op, layout, tangents[:len(lead)], lead)
 
     slots = _slots(op, layout, rule, wrt)
     others = [k for k in range(len(operands)) if k not in slots]
@@ -164,12 +167,6 @@ def jvp_rule(operands, tangents, *, op, rule, wrt, primals, batch):
 
 def _is_float0(t) -> bool:
     return not _is_zero(t) and getattr(t, "dtype", None) == jax.dtypes.float0
-
-
-def _check_nondiff_lead(op, layout, lead_inputs, tangents) -> None:
-    for k, i in enumerate(lead_inputs):
-        if not layout.diff[i] and not _is_zero(tangents[k]) and not _is_float0(tangents[k]):
-            _check_nondiff(op, layout, [Zero(None)] * i + [tangents[k]])
 
 
 def _jvp_nonlinear(op, layout, operands, tangents, primals, batch):

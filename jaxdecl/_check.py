@@ -1,2 +1,206 @@
-def check(op, *args, **kw):
-    raise NotImplementedError
+"""``jd.check``: verify an op's rules the way a careful reviewer would (API.md §6)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _layout
+from ._op import spec_of
+from ._errors import RuleError
+
+_DOT_RTOL = {"float16": 3e-2, "bfloat16": 3e-2, "float32": 2e-4, "complex64": 2e-4}
+_FD_RTOL = {"float16": 1e-1, "bfloat16": 1e-1, "float32": 2e-2, "complex64": 2e-2}
+
+
+def _dot(a, b) -> float:
+    """The real pairing Re Σ a·b (no conjugation), JAX's transpose convention."""
+    return float(np.real(np.sum(np.asarray(a, np.complex128) * np.asarray(b, np.complex128))))
+
+
+def _random_like(rng, aval):
+    shape, dtype = aval
+    value = rng.standard_normal(shape)
+    if np.issubdtype(dtype, np.complexfloating):
+        value = value + 1j * rng.standard_normal(shape)
+    return np.asarray(value).astype(dtype)
+
+
+def _close(a, b, rtol, scale) -> bool:
+    return abs(a - b) <= rtol * max(scale, 1e-30)
+
+
+def _lowest(dtypes, table, default):
+    return max([table.get(np.dtype(d).name, default) for d in dtypes] + [default])
+
+
+def check(op, *args, rtol: float | None = None, seed: int = 0) -> None:
+    """Checks every rule of `op` at `args`; raises AssertionError naming the wrong rule.
+
+    Verifies: ``@abstract`` against the eager result; that the zero-copy
+    ``@forward`` writes every output element; ``jit`` against eager; ``@jvp``
+    against central finite differences; ``@vjp``/``@transpose`` against the
+    tangent map by the dot-product test ⟨ct, J t⟩ = ⟨Jᵀ ct, t⟩ (pairing
+    Re Σ a·b); and ``vmap`` against a loop.
+
+    Args:
+      op: a jaxdecl op instance.
+      *args: example inputs (arrays or scalars).
+      rtol: relative tolerance for the numeric comparisons; by default keyed
+        by the lowest precision among the inputs.
+      seed: seed of the random tangents and cotangents.
+
+    Example:
+        >>> import jax, numpy as np, jaxdecl as jd
+        >>> class Mul(jd.Primitive):
+        ...     @jd.abstract
+        ...     def shapes(self, x1, x2):
+        ...         return jax.ShapeDtypeStruct(x1.shape, x1.dtype)
+        ...     @jd.forward
+        ...     def apply(self, x1, x2):
+        ...         return x1 * x2**2
+        ...     @jd.jvp
+        ...     def push(self, x1, x2, dx1, dx2):
+        ...         return x2**2 * dx1 + 2 * x1 * x2 * dx2
+        ...     @jd.vjp
+        ...     def pull(self, x1, x2, ct):
+        ...         return x2**2 * ct, 2 * x1 * x2 * ct
+        >>> jd.check(Mul(), np.ones(3), np.arange(3.0))
+    """
+    spec = spec_of(op)
+    rng = np.random.default_rng(seed)
+    args = tuple(np.asarray(jnp.asarray(a)) for a in args)
+    primals = tuple(_layout.aval_of(a) for a in args)
+    layout = _layout.compute_layout(spec, op, primals)
+    dtypes = [d for _, d in primals] + [d for _, d in layout.outputs]
+    dot_rtol = rtol if rtol is not None else _lowest(dtypes, _DOT_RTOL, 1e-8)
+    fd_rtol = rtol if rtol is not None else _lowest(dtypes, _FD_RTOL, 1e-5)
+
+    eager = _check_forward(spec, op, args, layout)
+    _check_jit(spec, op, args, eager, dot_rtol)
+    if any(layout.diff) and any(layout.float_out):
+        _check_derivatives(spec, op, args, layout, rng, dot_rtol, fd_rtol)
+    _check_vmap(spec, op, args, dot_rtol)
+
+
+def _as_tuple(result):
+    return tuple(result) if isinstance(result, (tuple, list)) else (result,)
+
+
+def _check_forward(spec, op, args, layout):
+    forward = spec.rules["forward"]
+    try:
+        eager = _as_tuple(op(*args))
+    except RuleError as error:
+        raise AssertionError(
+            f"jd.check: {spec.describe('abstract')} (@abstract) disagrees with "
+            f"{spec.describe('forward')} (@forward): {error}"
+        ) from None
+    if forward.zero_copy:
+        # Run the rule twice on outputs pre-filled with different values: an
+        # element the rule never writes keeps its fill value.
+        results = []
+        for fill in (0, 1):
+            outs = tuple(np.full(shape, fill, dtype) for shape, dtype in layout.outputs)
+            bound = forward.bind(op)
+            bound(*[a.copy() for a in args], out=outs[0] if layout.single_output else outs)
+            results.append(outs)
+        for index, (a, b) in enumerate(zip(*results)):
+            unwritten = np.asarray(a != b)
+            if unwritten.any():
+                raise AssertionError(
+                    f"jd.check: {spec.describe('forward')} (@forward) leaves "
+                    f"{int(unwritten.sum())} of {unwritten.size} elements of output {index} "
+                    f"unwritten"
+                )
+    return eager
+
+
+def _check_jit(spec, op, args, eager, rtol):
+    jitted = _as_tuple(jax.jit(lambda *a: op(*a))(*args))
+    for index, (a, b) in enumerate(zip(eager, jitted)):
+        if not np.allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=0, equal_nan=True):
+            raise AssertionError(
+                f"jd.check: {spec.describe('forward')} gives different output {index} under "
+                f"jax.jit than eagerly"
+            )
+
+
+def _check_derivatives(spec, op, args, layout, rng, dot_rtol, fd_rtol):
+    diff = layout.diff_indices
+    floats = layout.float_out_indices
+
+    def f(*diff_args):
+        full = list(args)
+        for i, value in zip(diff, diff_args):
+            full[i] = value
+        outs = _as_tuple(op(*full))
+        return tuple(outs[j] for j in floats)
+
+    x = tuple(args[i] for i in diff)
+    t = tuple(_random_like(rng, layout.inputs[i]) for i in diff)
+    ct = tuple(_random_like(rng, layout.outputs[j]) for j in floats)
+    has_forward_mode = spec.linear or spec.multilinear or "jvp" in spec.rules
+    has_reverse_mode = spec.linear or spec.multilinear or "vjp" in spec.rules or (
+        "jvp" in spec.rules and spec.rules["jvp"].traceable)
+
+    # Finite differences in float64/complex128 where the inputs allow.
+    eps = 1e-6 if all(np.finfo(d).eps < 1e-10 for _, d in (layout.inputs[i] for i in diff)) \
+        else 1e-3
+    plus = f(*[xi + eps * ti for xi, ti in zip(x, t)])
+    minus = f(*[xi - eps * ti for xi, ti in zip(x, t)])
+    fd = tuple((np.asarray(p, np.complex128) - np.asarray(m, np.complex128)) / (2 * eps)
+               for p, m in zip(plus, minus))
+    if has_forward_mode:
+        _, jt = jax.jvp(f, x, t)
+        tangent_rule = spec.describe("jvp") if "jvp" in spec.rules else \
+            spec.describe("forward")
+        for index, (a, b) in enumerate(zip(jt, fd)):
+            scale = float(np.max(np.abs(b))) if np.size(b) else 0.0
+            error = float(np.max(np.abs(np.asarray(a, np.complex128) - b))) if np.size(b) \
+                else 0.0
+            if error > fd_rtol * max(scale, 1.0):
+                raise AssertionError(
+                    f"jd.check: {tangent_rule} (@jvp) disagrees with finite differences for "
+                    f"output {floats[index]}: max error {error:.3g} (scale {scale:.3g})"
+                )
+        reference = _dot(0, 0) + sum(_dot(c, j) for c, j in zip(ct, jt))
+    else:
+        reference = sum(_dot(c, d) for c, d in zip(ct, fd))
+    if has_reverse_mode:
+        _, pullback = jax.vjp(f, *x)
+        cts_in = pullback(ct)
+        transposed = sum(_dot(c, ti) for c, ti in zip(cts_in, t))
+        scale = sum(abs(_dot(np.abs(c), np.abs(ti))) for c, ti in zip(cts_in, t)) + abs(reference)
+        tolerance = dot_rtol if has_forward_mode else fd_rtol
+        if not _close(transposed, reference, tolerance, scale):
+            if spec.linear:
+                rule = spec.describe("transpose" if "transpose" in spec.rules else "adjoint")
+                kind = "@transpose" if "transpose" in spec.rules else "@adjoint"
+            elif spec.multilinear:
+                rule, kind = f"{spec.name} transpose(wrt=...)", "@transpose"
+            else:
+                rule, kind = spec.describe("vjp"), "@vjp"
+            against = "<ct, J t> from the tangent map" if has_forward_mode else \
+                "finite differences"
+            raise AssertionError(
+                f"jd.check: {rule} ({kind}) fails the dot-product test against {against}: "
+                f"<J^T ct, t> = {transposed:.6g} but <ct, J t> = {reference:.6g}"
+            )
+
+
+def _check_vmap(spec, op, args, rtol):
+    batch = 3
+    stacked = [np.stack([a + (k if np.issubdtype(a.dtype, np.inexact) else 0)
+                         for k in range(batch)]).astype(a.dtype) for a in args]
+    batched = _as_tuple(jax.vmap(lambda *a: op(*a))(*stacked))
+    for k in range(batch):
+        looped = _as_tuple(op(*[s[k] for s in stacked]))
+        for index, (a, b) in enumerate(zip(batched, looped)):
+            if not np.allclose(np.asarray(a)[k], np.asarray(b), rtol=max(rtol, 1e-6),
+                               atol=max(rtol, 1e-6), equal_nan=True):
+                raise AssertionError(
+                    f"jd.check: vmap of {spec.name} disagrees with a loop of calls for "
+                    f"output {index}, batch element {k}"
+                )

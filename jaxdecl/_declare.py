@@ -13,6 +13,7 @@ import inspect
 from typing import Any, Callable
 
 from ._errors import DeclarationError
+from ._op import apply_op, spec_of  # noqa: F401 - spec_of re-exported
 
 RULE_KINDS = ("abstract", "forward", "jvp", "vjp", "transpose", "adjoint", "batch")
 _MARK = "__jaxdecl_rule__"
@@ -390,8 +391,6 @@ def build_spec(cls, options: dict[str, Any]) -> OpSpec:
 
 def _op_call(self, *args, **kwargs):
     """Applies the primitive to JAX arrays, NumPy arrays or Python scalars."""
-    from ._op import apply_op
-
     return apply_op(self, args, kwargs)
 
 
@@ -477,12 +476,5 @@ def primitive(cls=None, **options):
     return decorate if cls is None else decorate(cls)
 
 
-def spec_of(op) -> OpSpec:
-    """The OpSpec of a jaxdecl op (instance) or class; TypeError otherwise."""
-    spec = getattr(op, "__jaxdecl_spec__", None)
-    if spec is None:
-        raise TypeError(f"{op!r} is not a jaxdecl primitive (subclass jd.Primitive or use "
-                        f"@jd.primitive)")
-    return spec
 
 

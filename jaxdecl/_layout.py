@@ -101,8 +101,6 @@ def rule_io(spec, layout: Layout, rule: str, wrt: int) -> RuleIO:
     params = spec.params
     out_label = ("output",) if layout.single_output else tuple(
         f"output {i}" for i in range(len(layout.outputs)))
-    if layout.single_output:
-        out_label = ("output",)
     float_outs = layout.float_out_indices
     cts = tuple(f"cotangent of {out_label[j]}" for j in float_outs)
     diff = layout.diff_indices

@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 
 from . import _compat, _dtypes, _errors, _layout, _runtime
-from ._declare import spec_of
 from ._errors import MissingRuleError
 from ._layout import FORWARD, JVP, TRANSPOSE, TRANSPOSE_WRT, VJP
 
@@ -104,6 +103,15 @@ class OpHandle:
             batch_shape=batch, loop=self.spec.batch_mode == "loop", in_shapes=in_shapes,
         )
         return _runtime.register(kernel, on_escape)
+
+
+def spec_of(op):
+    """The OpSpec of a jaxdecl op (instance) or class; TypeError otherwise."""
+    spec = getattr(op, "__jaxdecl_spec__", None)
+    if spec is None:
+        raise TypeError(f"{op!r} is not a jaxdecl primitive (subclass jd.Primitive or use "
+                        f"@jd.primitive)")
+    return spec
 
 
 def missing_rule(spec, rule: str) -> MissingRuleError:
@@ -212,7 +220,14 @@ def apply_op(instance, args: tuple, kwargs: dict):
         if isinstance(value, _compat.Tracer):
             return bind_forward(handle, *args)
     try:
-        return jax.block_until_ready(handle.eager(*args))
+        result = handle.eager(*args)
+        # Wait here, so that a rule's exception is raised by this call, as itself.
+        if isinstance(result, tuple):
+            for value in result:
+                value.block_until_ready()
+        else:
+            result.block_until_ready()
+        return result
     except _compat.JaxRuntimeError as error:
         _errors.reraise_original(error)
         raise

@@ -1,0 +1,22 @@
+"""jaxdecl's XLA FFI dispatcher (CPU), built from csrc/dispatch.cc."""
+
+from typing import Any, Callable
+
+def registrations() -> dict[str, Any]:
+    """FFI targets (PyCapsules) to pass to jax.ffi.register_ffi_target on 'cpu'."""
+
+def register_kernel(call: Callable[[tuple, tuple], str | None],
+                    on_escape: Callable[[bool, int], str]) -> int:
+    """Stores a host kernel for the process's lifetime; returns its key (>= 1)."""
+
+def set_dtype(code: int, dtype: Any) -> None:
+    """Maps an XLA element type code to a NumPy dtype."""
+
+def set_worker_hooks(enter: Callable[[], Any], exit: Callable[[Any], None]) -> None:
+    """Hooks run around kernels that execute on XLA worker threads."""
+
+def element_types() -> dict[str, int]:
+    """XLA element type codes by NumPy dtype name."""
+
+def kernel_count() -> int:
+    """How many host kernels are registered."""

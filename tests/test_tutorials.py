@@ -1,0 +1,20 @@
+"""Every tutorial runs to completion as a script."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+TUTORIALS = sorted((pathlib.Path(__file__).parent.parent / "tutorials").glob("*.py"))
+
+
+@pytest.mark.parametrize("script", TUTORIALS, ids=[t.name for t in TUTORIALS])
+def test_tutorial_runs(script, tmp_path):
+    env = dict(os.environ, MPLBACKEND="Agg")
+    env.pop("XLA_FLAGS", None)  # tutorials run as a reader would: default devices
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert result.stdout.strip(), "a tutorial prints what a reader should look at"
