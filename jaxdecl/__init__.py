@@ -19,6 +19,9 @@ Example:
     9.0
 """
 
+import os as _os
+
+from . import _compat as _compat
 from . import _primitive as _primitive  # registers the primitive with JAX
 from ._check import check as check
 from ._declare import (
@@ -42,6 +45,8 @@ from ._errors import (
 )
 
 __version__ = "0.1.0"
+
+_compat.hide_frames(_os.path.dirname(__file__))
 
 __all__ = [
     "Primitive", "PrimitiveMeta", "primitive", "abstract", "forward", "jvp", "vjp",

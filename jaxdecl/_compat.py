@@ -54,3 +54,13 @@ def restore_host_transfers(guard) -> None:
 
 get_aval = jax.typeof
 from jax._src.dispatch import apply_primitive  # noqa: E402 - eager evaluation of a primitive
+
+
+def hide_frames(path: str) -> None:
+    """Leaves jaxdecl's own frames out of JAX's filtered tracebacks."""
+    try:
+        from jax._src import traceback_util
+
+        traceback_util.register_exclusion(path)
+    except (ImportError, AttributeError):  # pragma: no cover - older/newer jax
+        pass

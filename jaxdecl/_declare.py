@@ -249,16 +249,24 @@ def _input_names(cls_name: str, rule: Rule) -> tuple[str, ...]:
 
 
 def _collect_rules(cls) -> list[Rule]:
-    """Marked methods of `cls` and its bases, the most derived one winning by name."""
+    """Marked methods of `cls` and its bases, the most derived one winning by name.
+
+    A subclass that overrides a rule method without repeating the decorator
+    keeps the method's role (as overriding any method keeps its meaning);
+    overriding it with a non-callable removes the rule.
+    """
     seen: dict[str, Rule] = {}
     for klass in reversed(cls.__mro__):
         for attr, value in vars(klass).items():
-            function = getattr(value, "__func__", value)  # staticmethod/classmethod guard
-            rule = getattr(function, _MARK, None)
+            rule = getattr(value, _MARK, None)
             if isinstance(rule, Rule):
                 seen[attr] = rule
             elif attr in seen:
-                del seen[attr]  # overridden by an unmarked method
+                if callable(value):
+                    seen[attr] = dataclasses.replace(
+                        seen[attr], name=attr, function=value, zero_copy=_takes_out(value))
+                else:
+                    del seen[attr]
     return list(seen.values())
 
 
