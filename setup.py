@@ -21,8 +21,8 @@ def xla_ffi_include_dir() -> str:
 
 dispatch = Pybind11Extension(
     "jaxdecl._dispatch",
-    ["csrc/dispatch.cc"],
-    include_dirs=[xla_ffi_include_dir(), numpy.get_include()],
+    ["csrc/handler.cc", "csrc/module.cc"],
+    include_dirs=["jaxdecl/include", xla_ffi_include_dir(), numpy.get_include()],
     cxx_std=17,
     # api.h trips -Wreturn-type on g++ 12 in code we do not own.
     extra_compile_args=["-O2", "-Wno-return-type", "-Wno-sign-compare"],

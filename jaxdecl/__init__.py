@@ -23,6 +23,9 @@ import os as _os
 
 from . import _compat as _compat
 from . import _primitive as _primitive  # registers the primitive with JAX
+from ._cfunction import CFunction as CFunction
+from ._cfunction import cfunction as cfunction
+from ._cfunction import include_dir as include_dir
 from ._check import check as check
 from ._declare import (
     Primitive as Primitive,
@@ -50,6 +53,6 @@ _compat.hide_frames(_os.path.dirname(__file__))
 
 __all__ = [
     "Primitive", "PrimitiveMeta", "primitive", "abstract", "forward", "jvp", "vjp",
-    "transpose", "adjoint", "batch", "check", "SUPPORTED_DTYPES", "DeclarationError",
+    "transpose", "adjoint", "batch", "check", "cfunction", "CFunction", "include_dir", "SUPPORTED_DTYPES", "DeclarationError",
     "MissingRuleError", "RuleError", "BufferEscapeError",
 ]

@@ -12,6 +12,7 @@ import dataclasses
 import inspect
 from typing import Any, Callable
 
+from ._cfunction import CFunction
 from ._errors import DeclarationError
 from ._op import apply_op, spec_of  # noqa: F401 - spec_of re-exported
 
@@ -57,6 +58,8 @@ def _make_decorator(kind: str, doc: str, *, traceable_ok: bool = False, wrt_ok: 
 
 
 def _takes_out(fn) -> bool:
+    if isinstance(fn, CFunction):
+        return True  # C kernels always write into their outputs
     try:
         parameter = inspect.signature(fn).parameters.get("out")
     except (TypeError, ValueError):
@@ -310,6 +313,9 @@ def build_spec(cls, options: dict[str, Any]) -> OpSpec:
             )
         rules[rule.kind] = rule
 
+    for rule in rules.values():
+        if isinstance(rule.function, CFunction) and rule.kind in ("abstract", "batch"):
+            raise DeclarationError(f"{name}: @{rule.kind} must be a Python method, not a C kernel")
     for kind in ("forward", "abstract"):
         if kind not in rules:
             raise DeclarationError(
@@ -317,13 +323,16 @@ def build_spec(cls, options: dict[str, Any]) -> OpSpec:
                 + ("`@jd.forward def apply(self, ...)`" if kind == "forward"
                    else "`@jd.abstract def shapes(self, ...)` returning jax.ShapeDtypeStruct(s)")
             )
-    params = _input_names(name, rules["forward"])
-    abstract_params = _input_names(name, rules["abstract"])
-    if abstract_params != params:
-        raise DeclarationError(
-            f"{name}.{rules['abstract'].name} (@abstract) takes inputs {abstract_params}, but "
-            f"{name}.{rules['forward'].name} (@forward) takes {params}; they must match"
-        )
+    # The inputs' names come from @abstract (a C kernel's @forward has none).
+    params = _input_names(name, rules["abstract"])
+    if not isinstance(rules["forward"].function, CFunction):
+        forward_params = _input_names(name, rules["forward"])
+        if forward_params != params:
+            raise DeclarationError(
+                f"{name}.{rules['abstract'].name} (@abstract) takes inputs {params}, but "
+                f"{name}.{rules['forward'].name} (@forward) takes {forward_params}; they must "
+                f"match"
+            )
     for input_name in nondiff:
         if input_name not in params:
             raise DeclarationError(

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _compat, _dtypes, _errors, _layout, _runtime
+from ._cfunction import CFunction
 from ._errors import MissingRuleError
 from ._layout import FORWARD, JVP, TRANSPOSE, TRANSPOSE_WRT, VJP
 
@@ -92,6 +93,9 @@ class OpHandle:
 
     def _build_kernel(self, rule, wrt, primals, batch, in_shapes) -> int:
         user = self.user_rule(rule, wrt)
+        looped = bool(batch) and self.spec.batch_mode == "loop"
+        if isinstance(user.function, CFunction) and user.kind != "adjoint" and not looped:
+            return _runtime.register_c(user.function)
         io = self.rule_io(primals, rule, wrt)
         function = user.bind(self.instance)
         if user.kind == "adjoint":
@@ -100,7 +104,7 @@ class OpHandle:
         kernel, on_escape = _runtime.make_kernel(
             function, zero_copy=user.zero_copy, io=io,
             context=f"{self.spec.name}.{user.name} (@{user.kind})",
-            batch_shape=batch, loop=self.spec.batch_mode == "loop", in_shapes=in_shapes,
+            batch_shape=batch, loop=looped, in_shapes=in_shapes,
         )
         return _runtime.register(kernel, on_escape)
 

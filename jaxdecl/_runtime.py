@@ -177,3 +177,9 @@ def register(kernel, on_escape) -> int:
     """Keeps `kernel` for the process's lifetime; returns its dispatcher key."""
     _setup_dispatcher()
     return _dispatch.register_kernel(kernel, on_escape)
+
+
+def register_c(function) -> int:
+    """Registers a :class:`~jaxdecl.CFunction`; XLA calls it without the GIL."""
+    _setup_dispatcher()
+    return function.register()

@@ -1,0 +1,125 @@
+"""C kernels (jd.cfunction): called by XLA without Python, checked against NumPy."""
+
+import ctypes
+import shutil
+import subprocess
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxdecl as jd
+
+SOURCE = textwrap.dedent(r"""
+    #include <stdio.h>
+    #include "jaxdecl.h"
+
+    static int64_t size(const jaxdecl_buffer* b) {
+      int64_t n = 1;
+      for (int64_t i = 0; i < b->rank; ++i) n *= b->dims[i];
+      return n;
+    }
+
+    /* out = 2 * x (float64), its own transpose. */
+    int twice(const jaxdecl_buffer* in, int64_t nin, const jaxdecl_buffer* out,
+              int64_t nout, char* message, int64_t message_size) {
+      if (nin != 1 || nout != 1 || in[0].dtype != JAXDECL_FLOAT64) {
+        snprintf(message, message_size, "twice takes one float64 array");
+        return 3;
+      }
+      const double* x = (const double*)in[0].data;
+      double* y = (double*)out[0].data;
+      for (int64_t i = 0, n = size(&in[0]); i < n; ++i) y[i] = 2 * x[i];
+      return 0;
+    }
+
+    /* Records the data pointers it was given (zero-copy check). */
+    void* seen[2];
+    int record(const jaxdecl_buffer* in, int64_t nin, const jaxdecl_buffer* out,
+               int64_t nout, char* message, int64_t message_size) {
+      seen[0] = in[0].data;
+      seen[1] = out[0].data;
+      return twice(in, nin, out, nout, message, message_size);
+    }
+""")
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    folder = tmp_path_factory.mktemp("ckernel")
+    (folder / "k.c").write_text(SOURCE)
+    subprocess.run([compiler, "-O2", "-shared", "-fPIC", f"-I{jd.include_dir()}",
+                    str(folder / "k.c"), "-o", str(folder / "libk.so")], check=True)
+    return ctypes.CDLL(str(folder / "libk.so"))
+
+
+@pytest.fixture(scope="module")
+def Twice(library):
+    class Twice(jd.Primitive, linear=True):
+        @jd.abstract
+        def shapes(self, x):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+        apply = jd.forward(jd.cfunction(library.twice, keepalive=library))
+        apply_t = jd.transpose(jd.cfunction(library.twice, keepalive=library))
+
+    return Twice
+
+
+def test_values_and_transforms(Twice):
+    op = Twice()
+    x = jnp.linspace(-1.0, 1.0, 7)
+    np.testing.assert_array_equal(op(x), 2 * x)
+    np.testing.assert_array_equal(jax.jit(op)(x), 2 * x)
+    np.testing.assert_array_equal(jax.grad(lambda v: (op(v) ** 2).sum())(x), 8 * x)
+    np.testing.assert_array_equal(jax.linear_transpose(op, x)(x)[0], 2 * x)
+    batch = jnp.arange(12.0).reshape(3, 4)
+    np.testing.assert_array_equal(jax.vmap(op, in_axes=1, out_axes=1)(batch), 2 * batch)
+    jd.check(op, np.arange(5.0))
+
+
+def test_zero_copy(library):
+    class Record(jd.Primitive):
+        @jd.abstract
+        def shapes(self, x):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+        apply = jd.forward(jd.cfunction(library.record, keepalive=library))
+
+    x = jnp.arange(1000.0)
+    y = jax.jit(Record())(x)
+    seen = (ctypes.c_void_p * 2).in_dll(library, "seen")
+    assert seen[0] == x.unsafe_buffer_pointer()
+    assert seen[1] == y.unsafe_buffer_pointer()
+
+
+def test_error_status_becomes_error(Twice):
+    with pytest.raises(jax.errors.JaxRuntimeError, match="status 3: twice takes one float64"):
+        Twice()(jnp.arange(3, dtype=jnp.float32))
+    np.testing.assert_array_equal(Twice()(jnp.ones(2)), 2 * np.ones(2))  # still works
+
+
+def test_python_call_runs_kernel(library):
+    kernel = jd.cfunction(library.twice, keepalive=library)
+    out = np.empty(3)
+    kernel(np.arange(3.0), out=out)
+    np.testing.assert_array_equal(out, [0.0, 2.0, 4.0])
+    with pytest.raises(RuntimeError, match="twice takes one float64"):
+        kernel(np.arange(3), out=np.empty(3, np.int64))
+
+
+def test_rejects_non_function():
+    with pytest.raises(TypeError, match="PyCapsule, a ctypes function or an address"):
+        jd.cfunction("not a function")
+
+
+def test_abstract_cannot_be_c(library):
+    with pytest.raises(jd.DeclarationError, match="@abstract must be a Python method"):
+        class Bad(jd.Primitive):
+            shapes = jd.abstract(jd.cfunction(library.twice, keepalive=library))
+            apply = jd.forward(jd.cfunction(library.twice, keepalive=library))
