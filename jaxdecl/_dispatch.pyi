@@ -1,4 +1,4 @@
-"""jaxdecl's XLA FFI dispatcher (CPU), built from csrc/dispatch.cc."""
+"""jaxdecl's XLA FFI dispatcher (CPU), built from csrc/handler.cc and csrc/module.cc."""
 
 from typing import Any, Callable
 
@@ -8,6 +8,12 @@ def registrations() -> dict[str, Any]:
 def register_kernel(call: Callable[[tuple, tuple], str | None],
                     on_escape: Callable[[bool, int], str]) -> int:
     """Stores a host kernel for the process's lifetime; returns its key (>= 1)."""
+
+def register_c_kernel(address: int, keepalive: Any) -> int:
+    """Stores a C kernel (jaxdecl.h) for the process's lifetime; returns its key."""
+
+def call_c_kernel(address: int, inputs: tuple, outputs: tuple) -> str | None:
+    """Runs a C kernel on C-contiguous NumPy arrays; returns None or its error."""
 
 def set_dtype(code: int, dtype: Any) -> None:
     """Maps an XLA element type code to a NumPy dtype."""
