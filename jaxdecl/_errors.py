@@ -47,12 +47,15 @@ _counter = 0
 def stash(exc: BaseException, context: str) -> str:
     """Keeps `exc` for an eager caller; returns the message XLA should carry.
 
-    The traceback's frames are cleared first: they hold the rule's local
-    variables, among them views of XLA buffers that are freed after the call.
+    The traceback is kept as text only (a note on the exception and part of
+    the message): its frames hold the rule's locals, among them views of XLA
+    buffers that are freed after the call, and each frame holds its caller.
     """
     global _counter
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    traceback.clear_frames(exc.__traceback__)
+    _drop_tracebacks(exc)
+    if hasattr(exc, "add_note"):  # Python >= 3.11
+        exc.add_note(f"Raised inside {context}, called by XLA:\n{tb}")
     with _lock:
         _counter += 1
         number = _counter
@@ -61,6 +64,16 @@ def stash(exc: BaseException, context: str) -> str:
             _pending.popitem(last=False)
     kind = type(exc).__qualname__
     return f"{context} raised {kind}: {exc} {_MARK.format(number)}\n{tb}"
+
+
+def _drop_tracebacks(exc: BaseException | None) -> None:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        exc.__traceback__ = None
+        if exc.__cause__ is not None:
+            _drop_tracebacks(exc.__cause__)
+        exc = exc.__context__
 
 
 def reraise_original(error: BaseException) -> None:

@@ -20,7 +20,6 @@ from ._cfunction import CFunction
 from ._errors import MissingRuleError
 from ._layout import FORWARD, JVP, TRANSPOSE, TRANSPOSE_WRT, VJP
 
-_CACHE_ATTR = "_jaxdecl_handle"
 _handles: dict = {}
 _lock = threading.RLock()
 
@@ -147,7 +146,7 @@ def _config_key(instance):
     attributes = getattr(instance, "__dict__", None)
     if attributes is None:
         return ("id", id(instance))
-    items = tuple(sorted((k, v) for k, v in attributes.items() if k != _CACHE_ATTR))
+    items = tuple(sorted(attributes.items()))
     try:
         hash(items)
     except TypeError:
@@ -156,20 +155,21 @@ def _config_key(instance):
 
 
 def handle_of(instance) -> OpHandle:
-    """The shared handle of an op instance (created on first use)."""
-    handle = getattr(instance, "__dict__", {}).get(_CACHE_ATTR)
-    if handle is not None:
-        return handle
-    spec = spec_of(instance)
+    """The shared handle of an op instance's configuration (created on first use).
+
+    Looked up from the configuration on every call rather than cached on the
+    instance: a cache attribute would change the pytree and equality of
+    dataclass-like ops (equinox, nifty.re), and configuration set after a first
+    use (nifty.re models evaluate themselves inside __init__) must count.
+    """
     key = _config_key(instance)
-    with _lock:
-        handle = _handles.get(key)
-        if handle is None:
-            handle = _handles[key] = OpHandle(instance, spec)
-    try:
-        object.__setattr__(instance, _CACHE_ATTR, handle)
-    except (AttributeError, TypeError):
-        pass  # __slots__ without __dict__: looked up each call
+    handle = _handles.get(key)
+    if handle is None:
+        spec = spec_of(instance)
+        with _lock:
+            handle = _handles.get(key)
+            if handle is None:
+                handle = _handles[key] = OpHandle(instance, spec)
     return handle
 
 

@@ -56,8 +56,12 @@ def _explain(exc: BaseException, context: str) -> BaseException:
     return exc
 
 
-def _store(results, outs, io: RuleIO, context: str) -> None:
-    """Validates a rule's return value against the declared outputs and copies it in."""
+def _store(results, outs, io: RuleIO, context: str, batch_rank: int = 0) -> None:
+    """Validates a rule's return value against the declared outputs and copies it in.
+
+    `batch_rank` leading dimensions are a vectorized batch: there a result may
+    have size 1 (computed from unbatched inputs only) and is broadcast.
+    """
     if io.single_result and not (isinstance(results, (tuple, list)) and len(results) == 1):
         results = (results,)
     elif not isinstance(results, (tuple, list)) or len(results) != len(outs):
@@ -68,10 +72,12 @@ def _store(results, outs, io: RuleIO, context: str) -> None:
         )
     for index, (value, out) in enumerate(zip(results, outs)):
         value = np.asarray(value)
-        if value.shape != out.shape:
+        if value.shape != out.shape and not _broadcasts(value.shape, out.shape, batch_rank):
+            batch = (f" (with batch dimensions {out.shape[:batch_rank]} in front)"
+                     if batch_rank else "")
             raise RuleError(
                 f"{context} returned shape {value.shape} for {io.out_names[index]}, but "
-                f"@abstract declared {out.shape}"
+                f"@abstract declared {out.shape[batch_rank:]}{batch}"
             )
         if value.dtype != out.dtype:
             if io.real_results[index] and np.iscomplexobj(value) and \
@@ -83,6 +89,13 @@ def _store(results, outs, io: RuleIO, context: str) -> None:
                     f"@abstract declared {out.dtype}"
                 )
         np.copyto(out, value, casting="no")
+
+
+def _broadcasts(shape, target, batch_rank: int) -> bool:
+    """Same element shape, and each batch dimension equal or 1."""
+    return (len(shape) == len(target) and batch_rank > 0
+            and shape[batch_rank:] == target[batch_rank:]
+            and all(s in (1, t) for s, t in zip(shape[:batch_rank], target[:batch_rank])))
 
 
 def _conjugating(function, zero_copy: bool, n_lead: int):
@@ -103,6 +116,71 @@ def _conjugating(function, zero_copy: bool, n_lead: int):
         return np.conj(result)
 
     return transpose_from_adjoint
+
+
+def _loop(function, element, zero_copy_single: bool, batch_shape: tuple, in_shapes,
+          out_element_shapes):
+    """Runs a rule once per batch element on views (``batch="loop"``).
+
+    Fast path: when every operand is either batched in all batch dimensions or
+    in none, and no element is 0-d, the batch dimensions are flattened into
+    one (a reshape of a contiguous view) and the operands are iterated along
+    it, which is NumPy's cheapest way to produce views. Otherwise the index of
+    every operand for every element is computed once, here.
+    """
+    nb = len(batch_shape)
+    count = int(np.prod(batch_shape))
+    full = [tuple(shape[:nb]) == tuple(batch_shape) for shape in in_shapes]
+    none = [all(n == 1 for n in shape[:nb]) and not f for shape, f in zip(in_shapes, full)]
+    if all(f or n for f, n in zip(full, none)) and \
+            all(len(shape) > nb for shape in in_shapes) and \
+            all(len(shape) > 0 for shape in out_element_shapes):
+
+        def streams(ins, outs):
+            operands = [x.reshape((count,) + x.shape[nb:]) if f else
+                        itertools.repeat(x.reshape(x.shape[nb:]), count)
+                        for x, f in zip(ins, full)]
+            results = [o.reshape((count,) + o.shape[nb:]) for o in outs]
+            return operands, results
+
+        # Unpacking a variable number of operands per element costs as much as
+        # NumPy's own call here, so the common arities get their own loops.
+        if zero_copy_single and len(in_shapes) == 1:
+            def run(ins, outs):
+                (x1,), (out,) = streams(ins, outs)
+                for a, o in zip(x1, out):
+                    function(a, out=o)
+        elif zero_copy_single and len(in_shapes) == 2:
+            def run(ins, outs):
+                (x1, x2), (out,) = streams(ins, outs)
+                for a, b, o in zip(x1, x2, out):
+                    function(a, b, out=o)
+        elif zero_copy_single:
+            def run(ins, outs):
+                operands, (out,) = streams(ins, outs)
+                for xs, o in zip(zip(*operands), out):
+                    function(*xs, out=o)
+        else:
+            def run(ins, outs):
+                operands, results = streams(ins, outs)
+                for xs, os in zip(zip(*operands), zip(*results)):
+                    element(xs, os)
+        return run
+
+    plan = []
+    for index in itertools.product(*(range(n) for n in batch_shape)):
+        operand_index = tuple(
+            tuple(0 if shape[j] == 1 and batch_shape[j] != 1 else index[j]
+                  for j in range(nb)) + (Ellipsis,)
+            for shape in in_shapes)
+        plan.append((operand_index, index + (Ellipsis,)))
+
+    def run(ins, outs):
+        for operand_index, result_index in plan:
+            element([x[i] for x, i in zip(ins, operand_index)],
+                    [o[result_index] for o in outs])
+
+    return run
 
 
 def make_kernel(function, *, zero_copy: bool, io: RuleIO, context: str,
@@ -133,23 +211,14 @@ def make_kernel(function, *, zero_copy: bool, io: RuleIO, context: str,
             def element(ins, outs):
                 function(*ins, out=tuple(outs))
     else:
+        batch_rank = 0 if loop else len(batch_shape)
+
         def element(ins, outs):
-            _store(function(*ins), outs, io, context)
+            _store(function(*ins), outs, io, context, batch_rank)
 
     if loop and batch_shape:
-        nb = len(batch_shape)
-        # A size-1 batch dimension of an operand broadcasts against the batch.
-        broadcast = [tuple(shape[j] == 1 and batch_shape[j] != 1 for j in range(nb))
-                     for shape in in_shapes]
-        indices = list(itertools.product(*(range(n) for n in batch_shape)))
-
-        def run(ins, outs):
-            for index in indices:
-                element(
-                    [x[tuple(0 if b else i for b, i in zip(bc, index)) + (Ellipsis,)]
-                     for x, bc in zip(ins, broadcast)],
-                    [o[index + (Ellipsis,)] for o in outs],
-                )
+        run = _loop(function, element, zero_copy and single, batch_shape, in_shapes,
+                    [shape for shape, _ in io.out_avals])
     else:
         run = element
 
@@ -157,6 +226,8 @@ def make_kernel(function, *, zero_copy: bool, io: RuleIO, context: str,
         try:
             run(ins, outs)
         except BaseException as exc:  # noqa: BLE001 - every error goes back to XLA
+            # This frame holds `ins` and `outs`; the rule's frames are below it.
+            exc.__traceback__ = exc.__traceback__.tb_next
             return stash(_explain(exc, context), context)
         return None
 

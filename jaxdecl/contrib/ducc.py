@@ -1,9 +1,9 @@
-"""DUCC transforms (FFTs, Hartley, HEALPix spherical harmonics) as jaxdecl primitives.
+"""DUCC transforms (FFTs, Hartley, spherical harmonics, NUFFT, radio gridding) as jaxdecl ops.
 
 Each transform is a short linear jaxdecl class: ``@forward`` calls ``ducc0``,
 ``@transpose`` or ``@adjoint`` calls ``ducc0`` again, and JAX derives every
 derivative from those two. Static settings (axes, normalisation, ``nside``,
-``lmax``, thread count) live on the instance, so equal settings share
+``lmax``, pixel sizes, thread count) live on the instance, so equal settings share
 compiled code.
 
 Example:
@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import math
 
 import ducc0
 import jax
@@ -24,7 +25,19 @@ import numpy as np
 
 import jaxdecl as jd
 
-__all__ = ["c2c", "r2c", "c2r", "genuine_fht", "healpix_synthesis", "nalm", "u2nu", "nu2u"]
+__all__ = [
+    "c2c",
+    "c2r",
+    "dirty2vis",
+    "genuine_fht",
+    "healpix_synthesis",
+    "nalm",
+    "nu2u",
+    "r2c",
+    "synthesis_2d",
+    "u2nu",
+    "vis2dirty",
+]
 
 _COMPLEX_OF = {np.dtype("float32"): np.dtype("complex64"),
                np.dtype("float64"): np.dtype("complex128")}
@@ -313,6 +326,33 @@ def _healpix_geometry(nside: int) -> dict:
     return info
 
 
+def _ring_colatitudes(geometry: str, ntheta: int) -> np.ndarray:
+    """Ring colatitudes of ``ducc0.sht.synthesis_2d``'s named grids."""
+    i = np.arange(ntheta, dtype=np.float64)
+    if geometry == "GL":
+        return np.asarray(ducc0.misc.GL_thetas(ntheta), np.float64)
+    return {
+        "CC": lambda: np.pi * i / (ntheta - 1),
+        "F1": lambda: np.pi * (i + 0.5) / ntheta,
+        "MW": lambda: np.pi * (2 * i + 1) / (2 * ntheta - 1),
+        "MWflip": lambda: 2 * np.pi * i / (2 * ntheta - 1),
+        "DH": lambda: np.pi * i / ntheta,
+        "F2": lambda: np.pi * (i + 1) / (ntheta + 1),
+    }[geometry]()
+
+
+@functools.cache
+def _grid_geometry(geometry: str, ntheta: int, nphi: int) -> dict:
+    """The 2-D grid as DUCC's general ring geometry: ring i fills pixels i*nphi .. (i+1)*nphi-1."""
+    info = {"theta": _ring_colatitudes(geometry, ntheta),
+            "nphi": np.full(ntheta, nphi, np.uintp),
+            "phi0": np.zeros(ntheta),
+            "ringstart": np.arange(ntheta, dtype=np.uintp) * nphi}
+    for array in info.values():
+        array.setflags(write=False)
+    return info
+
+
 def _m_weights(lmax: int, mmax: int, dtype) -> np.ndarray:
     """1 for m = 0 coefficients, 2 for m > 0, in DUCC's a_lm layout."""
     weights = np.full(nalm(lmax, mmax), 2, dtype)
@@ -320,7 +360,65 @@ def _m_weights(lmax: int, mmax: int, dtype) -> np.ndarray:
     return weights
 
 
-class healpix_synthesis(jd.Primitive, linear=True, batch="vectorized"):
+class _Synthesis:
+    """Rules shared by the spherical-harmonic syntheses: a_lm -> maps on a ring geometry.
+
+    A subclass sets ``lmax``, ``mmax``, ``spin``, ``nthreads`` (through
+    :meth:`_set_sht`), and provides ``map_shape`` (the pixels of one
+    component) and ``_geometry()`` (DUCC's ring description, pixels stored
+    ring after ring, so the map is ``map_shape`` flattened).
+    """
+
+    def _set_sht(self, lmax: int, mmax, spin: int, nthreads: int) -> None:
+        name = type(self).__name__
+        self.lmax = int(lmax)
+        self.mmax = self.lmax if mmax is None else int(mmax)
+        self.spin = int(spin)
+        self.nthreads = int(nthreads)
+        if not 0 <= self.mmax <= self.lmax:
+            raise ValueError(f"{name}: need 0 <= mmax <= lmax, got {mmax}, {lmax}")
+        if self.spin < 0 or self.spin > self.lmax:
+            raise ValueError(f"{name}: need 0 <= spin <= lmax, got spin={spin}")
+
+    @property
+    def ncomp(self) -> int:
+        return 1 if self.spin == 0 else 2
+
+    def _ducc_args(self) -> dict:
+        return dict(lmax=self.lmax, mmax=self.mmax, spin=self.spin, nthreads=self.nthreads,
+                    **self._geometry())
+
+    @jd.abstract
+    def shapes(self, alm):
+        name = type(self).__name__
+        dtype = _check_dtype(name, alm.dtype, _REAL_OF)
+        expected = (self.ncomp, nalm(self.lmax, self.mmax))
+        if tuple(alm.shape) != expected:
+            raise ValueError(
+                f"{name}(lmax={self.lmax}, mmax={self.mmax}, spin={self.spin}) "
+                f"takes a_lm of shape {expected}, got {tuple(alm.shape)}"
+            )
+        return jax.ShapeDtypeStruct((self.ncomp,) + self.map_shape, _REAL_OF[dtype])
+
+    # batch="vectorized": leading batch dimensions arrive on every operand;
+    # DUCC takes one leading "ntrans" axis, so they are flattened into it.
+    @jd.forward
+    def apply(self, alm):
+        batch = alm.shape[:-2]
+        flat = np.ascontiguousarray(alm).reshape((-1,) + alm.shape[-2:])
+        maps = ducc0.sht.synthesis(alm=flat, **self._ducc_args())
+        return maps.reshape(batch + (self.ncomp,) + self.map_shape)
+
+    @jd.adjoint
+    def apply_adjoint(self, maps):
+        batch = maps.shape[: maps.ndim - 1 - len(self.map_shape)]
+        flat = np.ascontiguousarray(maps).reshape((-1, self.ncomp, math.prod(self.map_shape)))
+        alm = ducc0.sht.adjoint_synthesis(map=flat, **self._ducc_args())
+        alm *= _m_weights(self.lmax, self.mmax, alm.real.dtype)
+        return alm.reshape(batch + alm.shape[-2:])
+
+
+class healpix_synthesis(_Synthesis, jd.Primitive, linear=True, batch="vectorized"):
     """Spherical-harmonic synthesis a_lm -> HEALPix RING map (``ducc0.sht.synthesis``).
 
     Args:
@@ -357,54 +455,78 @@ class healpix_synthesis(jd.Primitive, linear=True, batch="vectorized"):
     def __init__(self, nside: int, lmax: int, mmax: int | None = None, spin: int = 0,
                  nthreads: int = 1):
         self.nside = int(nside)
-        self.lmax = int(lmax)
-        self.mmax = self.lmax if mmax is None else int(mmax)
-        self.spin = int(spin)
-        self.nthreads = int(nthreads)
-        if not 0 <= self.mmax <= self.lmax:
-            raise ValueError(f"healpix_synthesis: need 0 <= mmax <= lmax, got {mmax}, {lmax}")
-        if self.spin < 0 or self.spin > self.lmax:
-            raise ValueError(f"healpix_synthesis: need 0 <= spin <= lmax, got spin={spin}")
-
-    @property
-    def ncomp(self) -> int:
-        return 1 if self.spin == 0 else 2
+        self._set_sht(lmax, mmax, spin, nthreads)
 
     @property
     def npix(self) -> int:
         return 12 * self.nside**2
 
-    def _ducc_args(self) -> dict:
-        return dict(lmax=self.lmax, mmax=self.mmax, spin=self.spin, nthreads=self.nthreads,
-                    **_healpix_geometry(self.nside))
+    @property
+    def map_shape(self) -> tuple:
+        return (self.npix,)
 
-    @jd.abstract
-    def shapes(self, alm):
-        dtype = _check_dtype("healpix_synthesis", alm.dtype, _REAL_OF)
-        expected = (self.ncomp, nalm(self.lmax, self.mmax))
-        if tuple(alm.shape) != expected:
+    def _geometry(self) -> dict:
+        return _healpix_geometry(self.nside)
+
+
+_GRID_GEOMETRIES = ("GL", "CC", "F1", "F2", "DH", "MW", "MWflip")
+
+
+class synthesis_2d(_Synthesis, jd.Primitive, linear=True, batch="vectorized"):
+    """Spherical-harmonic synthesis a_lm -> 2-D (θ, φ) grid map (``ducc0.sht.synthesis_2d``).
+
+    Args:
+        geometry: ring placement in θ, as DUCC names it: "GL" (Gauss-Legendre),
+            "CC" (Clenshaw-Curtis, rings on both poles), "F1"/"F2" (Fejér's
+            first/second rule), "DH" (Driscoll-Healy), "MW", "MWflip"
+            (McEwen-Wiaux).
+        ntheta: number of rings (from the north pole down).
+        nphi: pixels per ring, the first at φ = 0.
+        lmax: maximum multipole (inclusive).
+        mmax: maximum m (inclusive); defaults to `lmax`.
+        spin: 0 (one scalar map) or > 0 (two maps).
+        nthreads: DUCC threads per call (0: all hardware threads).
+
+    Input: complex a_lm ``(ncomp, nalm(lmax, mmax))``, complex64 or
+    complex128, ncomp 1 for spin 0 and 2 otherwise. Output: the real map
+    ``(ncomp, ntheta, nphi)``, float32 or float64 to match.
+
+    The grid is handed to DUCC's general ring synthesis, which takes a
+    leading batch axis, so a ``vmap`` costs one DUCC call. As for
+    :class:`healpix_synthesis`, the map is real-linear in the a_lm and the
+    adjoint is ``adjoint_synthesis`` with the m > 0 coefficients doubled.
+
+    Example:
+        >>> import numpy as np
+        >>> from jaxdecl.contrib import ducc
+        >>> op = ducc.synthesis_2d("GL", ntheta=3, nphi=5, lmax=2)
+        >>> alm = np.zeros((1, ducc.nalm(2)), np.complex128); alm[0, 0] = np.sqrt(4 * np.pi)
+        >>> np.allclose(op(alm), 1.0)
+        True
+    """
+
+    def __init__(self, geometry: str, ntheta: int, nphi: int, lmax: int,
+                 mmax: int | None = None, spin: int = 0, nthreads: int = 1):
+        if geometry not in _GRID_GEOMETRIES:
             raise ValueError(
-                f"healpix_synthesis(lmax={self.lmax}, mmax={self.mmax}, spin={self.spin}) "
-                f"takes a_lm of shape {expected}, got {tuple(alm.shape)}"
+                f"synthesis_2d: geometry must be one of {', '.join(_GRID_GEOMETRIES)}, "
+                f"got {geometry!r}"
             )
-        return jax.ShapeDtypeStruct((self.ncomp, self.npix), _REAL_OF[dtype])
+        self.geometry = geometry
+        self.ntheta = int(ntheta)
+        self.nphi = int(nphi)
+        if self.ntheta < (2 if geometry == "CC" else 1) or self.nphi < 1:
+            raise ValueError(
+                f"synthesis_2d: ntheta={ntheta}, nphi={nphi} is too small a {geometry} grid"
+            )
+        self._set_sht(lmax, mmax, spin, nthreads)
 
-    # batch="vectorized": leading batch dimensions arrive on every operand;
-    # DUCC takes one leading "ntrans" axis, so they are flattened into it.
-    @jd.forward
-    def apply(self, alm):
-        batch = alm.shape[:-2]
-        flat = np.ascontiguousarray(alm).reshape((-1,) + alm.shape[-2:])
-        maps = ducc0.sht.synthesis(alm=flat, **self._ducc_args())
-        return maps.reshape(batch + maps.shape[-2:])
+    @property
+    def map_shape(self) -> tuple:
+        return (self.ntheta, self.nphi)
 
-    @jd.adjoint
-    def apply_adjoint(self, maps):
-        batch = maps.shape[:-2]
-        flat = np.ascontiguousarray(maps).reshape((-1,) + maps.shape[-2:])
-        alm = ducc0.sht.adjoint_synthesis(map=flat, **self._ducc_args())
-        alm *= _m_weights(self.lmax, self.mmax, maps.dtype)
-        return alm.reshape(batch + alm.shape[-2:])
+    def _geometry(self) -> dict:
+        return _grid_geometry(self.geometry, self.ntheta, self.nphi)
 
 
 def _default_epsilon(dtype) -> float:
@@ -433,8 +555,8 @@ class _NUFFT:
 
     def _ducc_args(self, dtype, forward: bool) -> dict:
         epsilon = _default_epsilon(dtype) if self.epsilon is None else self.epsilon
-        return dict(forward=forward, epsilon=epsilon, periodicity=self.periodicity,
-                    fft_order=self.fft_order, nthreads=self.nthreads)
+        return {"forward": forward, "epsilon": epsilon, "periodicity": self.periodicity,
+                "fft_order": self.fft_order, "nthreads": self.nthreads}
 
 
 class u2nu(_NUFFT, jd.Primitive, linear=True, nondiff=("coord",)):
@@ -521,3 +643,143 @@ class nu2u(_NUFFT, jd.Primitive, linear=True, nondiff=("coord",)):
     def apply_adjoint(self, coord, grid, *, out):
         ducc0.nufft.u2nu(grid=grid, coord=coord, out=out,
                          **self._ducc_args(grid.dtype, not self.forward))
+
+
+def _check_visibility_coords(name: str, uvw, freq) -> None:
+    for label, array in (("uvw", uvw), ("freq", freq)):
+        _check_dtype(f"{name} {label}", array.dtype, _COMPLEX_OF)
+    if len(uvw.shape) != 2 or uvw.shape[1] != 3:
+        raise ValueError(f"{name}: uvw must have shape (nrows, 3), got {tuple(uvw.shape)}")
+    if len(freq.shape) != 1:
+        raise ValueError(f"{name}: freq must have shape (nchan,), got {tuple(freq.shape)}")
+
+
+def _check_image_shape(name: str, shape) -> None:
+    if len(shape) != 2 or any(n < 32 or n % 2 for n in shape):
+        raise ValueError(
+            f"{name}: the dirty image must be 2-D with even sides of at least 32 pixels "
+            f"(a DUCC requirement), got {tuple(shape)}"
+        )
+
+
+class _WGridder:
+    """Settings shared by :class:`dirty2vis` and :class:`vis2dirty`."""
+
+    def __init__(self, pixsize_x: float, pixsize_y: float, epsilon: float | None = None,
+                 do_wgridding: bool = False, nthreads: int = 1):
+        self.pixsize_x = float(pixsize_x)
+        self.pixsize_y = float(pixsize_y)
+        self.epsilon = None if epsilon is None else float(epsilon)
+        self.do_wgridding = bool(do_wgridding)
+        self.nthreads = int(nthreads)
+
+    def _ducc_args(self, uvw, freq, real_dtype) -> dict:
+        if self.epsilon is not None:
+            epsilon = self.epsilon
+        else:  # DUCC needs epsilon > 1e-5 in single and > 2e-13 in double precision
+            epsilon = 1e-4 if np.dtype(real_dtype) == np.float32 else 1e-10
+        # DUCC takes coordinates in double precision only; without jax_enable_x64
+        # they arrive as float32 and are widened here (a small copy).
+        return {"uvw": np.asarray(uvw, np.float64), "freq": np.asarray(freq, np.float64),
+                "pixsize_x": self.pixsize_x, "pixsize_y": self.pixsize_y, "epsilon": epsilon,
+                "do_wgridding": self.do_wgridding, "nthreads": self.nthreads}
+
+
+class dirty2vis(_WGridder, jd.Primitive, linear=True, nondiff=("uvw", "freq")):
+    """Radio-interferometric degridding: dirty image -> visibilities (``ducc0.wgridder``).
+
+    Args:
+        pixsize_x, pixsize_y: angular pixel size of the image (projected radians).
+        epsilon: requested accuracy; default 1e-4 (float32) or 1e-10 (float64).
+        do_wgridding: apply the full w-term; otherwise w is taken as zero.
+        nthreads: DUCC threads per call.
+
+    Inputs: ``uvw`` (nrows, 3) in metres and ``freq`` (nchan,) in Hz, never
+    differentiated; ``dirty`` (npix_x, npix_y), float32/float64, both sides
+    even and at least 32. Output: visibilities (nrows, nchan), complex64 or
+    complex128 to match, V = A d with A = exp(-2πi f/c (u l + v m + w (n-1))) / n.
+
+    The map d ↦ A d is real-linear from real images to complex visibilities;
+    its adjoint is :class:`vis2dirty`, d = Re(Aᴴ V), so JAX's transpose of a
+    cotangent ct is ``vis2dirty(conj(ct))``. Both directions are exact only to
+    `epsilon`, so dot-product tests hold to that accuracy.
+
+    Example:
+        >>> import numpy as np
+        >>> from jaxdecl.contrib import ducc
+        >>> dirty = np.zeros((32, 32)); dirty[16, 16] = 1.0  # a source at the phase centre
+        >>> vis = ducc.dirty2vis(1e-5, 1e-5)(np.array([[100.0, 50.0, 0.0]]), np.array([1e9]), dirty)
+        >>> np.allclose(vis, 1.0)
+        True
+    """
+
+    @jd.abstract
+    def shapes(self, uvw, freq, dirty):
+        dtype = _check_dtype("dirty2vis dirty", dirty.dtype, _COMPLEX_OF)
+        _check_visibility_coords("dirty2vis", uvw, freq)
+        _check_image_shape("dirty2vis", dirty.shape)
+        return jax.ShapeDtypeStruct((uvw.shape[0], freq.shape[0]), _COMPLEX_OF[dtype])
+
+    @jd.forward
+    def apply(self, uvw, freq, dirty, *, out):
+        ducc0.wgridder.experimental.dirty2vis(dirty=dirty, vis=out,
+                                              **self._ducc_args(uvw, freq, dirty.dtype))
+
+    @jd.adjoint
+    def apply_adjoint(self, uvw, freq, vis, *, out):
+        ducc0.wgridder.experimental.vis2dirty(vis=vis, dirty=out,
+                                              **self._ducc_args(uvw, freq, out.dtype))
+
+
+class vis2dirty(_WGridder, jd.Primitive, linear=True, nondiff=("uvw", "freq")):
+    """Radio-interferometric gridding: visibilities -> dirty image (``ducc0.wgridder``).
+
+    Args:
+        npix_x, npix_y: image size, both even and at least 32.
+        pixsize_x, pixsize_y, epsilon, do_wgridding, nthreads: as :class:`dirty2vis`.
+
+    Inputs: ``uvw`` (nrows, 3) and ``freq`` (nchan,), never differentiated;
+    ``vis`` (nrows, nchan), complex64/complex128. Output: the dirty image
+    (npix_x, npix_y), float32 or float64 to match, d = Re(Aᴴ V) with A as in
+    :class:`dirty2vis`.
+
+    The map is real-linear; JAX's transpose of a (real) image cotangent ct is
+    ``conj(dirty2vis(ct))``: Re Σ ct·Re(Aᴴ V) = Re Σ conj(A ct)·V.
+
+    Example:
+        >>> import numpy as np
+        >>> from jaxdecl.contrib import ducc
+        >>> op = ducc.vis2dirty(32, 32, 1e-5, 1e-5)
+        >>> dirty = op(np.array([[100.0, 50.0, 0.0]]), np.array([1e9]), np.array([[1.0 + 0j]]))
+        >>> bool(np.isclose(dirty[16, 16], 1.0))
+        True
+    """
+
+    def __init__(self, npix_x: int, npix_y: int, pixsize_x: float, pixsize_y: float,
+                 epsilon: float | None = None, do_wgridding: bool = False, nthreads: int = 1):
+        super().__init__(pixsize_x, pixsize_y, epsilon, do_wgridding, nthreads)
+        self.npix_x = int(npix_x)
+        self.npix_y = int(npix_y)
+        _check_image_shape("vis2dirty", (self.npix_x, self.npix_y))
+
+    @jd.abstract
+    def shapes(self, uvw, freq, vis):
+        dtype = _check_dtype("vis2dirty vis", vis.dtype, _REAL_OF)
+        _check_visibility_coords("vis2dirty", uvw, freq)
+        expected = (uvw.shape[0], freq.shape[0])
+        if tuple(vis.shape) != expected:
+            raise ValueError(
+                f"vis2dirty: vis must have shape (nrows, nchan) = {expected} to match uvw and "
+                f"freq, got {tuple(vis.shape)}"
+            )
+        return jax.ShapeDtypeStruct((self.npix_x, self.npix_y), _REAL_OF[dtype])
+
+    @jd.forward
+    def apply(self, uvw, freq, vis, *, out):
+        ducc0.wgridder.experimental.vis2dirty(vis=vis, dirty=out,
+                                              **self._ducc_args(uvw, freq, out.dtype))
+
+    @jd.adjoint
+    def apply_adjoint(self, uvw, freq, dirty, *, out):
+        ducc0.wgridder.experimental.dirty2vis(dirty=dirty, vis=out,
+                                              **self._ducc_args(uvw, freq, dirty.dtype))

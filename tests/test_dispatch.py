@@ -1,0 +1,401 @@
+"""The C++ dispatcher: zero-copy buffers, every dtype, shapes, transformations, lifetime."""
+
+import gc
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jaxdecl as jd
+from conftest import tol
+
+HELPER = os.path.join(os.path.dirname(__file__), "helpers_subprocess.py")
+ALL_DTYPES = [
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+]
+
+
+def _dtype(name):
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def _sample(name, shape, seed=0):
+    """Deterministic values of dtype `name` that survive the dtype exactly."""
+    rng = np.random.default_rng(seed)
+    dtype = _dtype(name)
+    if name == "bool":
+        return rng.integers(0, 2, shape).astype(bool)
+    if np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, shape, dtype=dtype, endpoint=True)
+    values = rng.integers(-64, 64, shape) / 4.0
+    if np.issubdtype(dtype, np.complexfloating):
+        values = values + 1j * rng.integers(-64, 64, shape) / 8.0
+    return values.astype(dtype)
+
+
+def _same(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+class Pointers(jd.Primitive):
+    """Negation that records where its buffers live and whether they are writable."""
+
+    seen = {}
+
+    @jd.abstract
+    def shapes(self, x):
+        return _same(x)
+
+    @jd.forward
+    def apply(self, x, *, out):
+        Pointers.seen.update(
+            x=x.__array_interface__["data"][0], out=out.__array_interface__["data"][0],
+            x_writeable=x.flags.writeable, out_writeable=out.flags.writeable,
+        )
+        np.negative(x, out=out)
+
+
+class ReturnPointers(jd.Primitive):
+    """Return-form twin of Pointers."""
+
+    seen = {}
+
+    @jd.abstract
+    def shapes(self, x):
+        return _same(x)
+
+    @jd.forward
+    def apply(self, x):
+        ReturnPointers.seen.update(x=x.__array_interface__["data"][0],
+                                   x_writeable=x.flags.writeable)
+        return -x
+
+
+# ---------------------------------------------------------------------------
+# Zero copy
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_zero_copy_buffers(jit):
+    x = jnp.arange(10**5, dtype=jnp.float64)
+    f = jax.jit(Pointers()) if jit else Pointers()
+    y = f(x)
+    # XLA hands parameters to the handler in place and writes the result where it lives.
+    assert Pointers.seen["x"] == x.unsafe_buffer_pointer()
+    assert Pointers.seen["out"] == y.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(y, -np.arange(10**5, dtype=np.float64))
+
+
+def test_return_form_input_is_zero_copy():
+    x = jnp.arange(10**5, dtype=jnp.float64)
+    y = jax.jit(ReturnPointers())(x)
+    assert ReturnPointers.seen["x"] == x.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(y, -np.asarray(x))
+
+
+def test_inputs_read_only_outputs_writable():
+    Pointers.seen.clear()
+    Pointers()(jnp.ones(4))
+    assert Pointers.seen["x_writeable"] is False
+    assert Pointers.seen["out_writeable"] is True
+    ReturnPointers.seen.clear()
+    ReturnPointers()(jnp.ones(4))
+    assert ReturnPointers.seen["x_writeable"] is False
+
+
+def test_writing_an_input_raises():
+    class Scribble(jd.Primitive):
+        @jd.abstract
+        def shapes(self, x):
+            return _same(x)
+
+        @jd.forward
+        def apply(self, x):
+            x[0] = 1.0
+            return x
+
+    x = jnp.zeros(3)
+    with pytest.raises(ValueError, match="read-only"):
+        Scribble()(x)
+    np.testing.assert_array_equal(x, np.zeros(3))
+
+
+# ---------------------------------------------------------------------------
+# Every dtype, shapes, both forms
+# ---------------------------------------------------------------------------
+
+
+class Reverse(jd.Primitive):
+    """Return form: the input reversed along its first axis, copied."""
+
+    @jd.abstract
+    def shapes(self, x):
+        return _same(x)
+
+    @jd.forward
+    def apply(self, x):
+        return np.array(x[::-1])
+
+
+class ReverseInto(jd.Primitive):
+    """Zero-copy form of Reverse."""
+
+    @jd.abstract
+    def shapes(self, x):
+        return _same(x)
+
+    @jd.forward
+    def apply(self, x, *, out):
+        out[...] = x[::-1]
+
+
+class Negate(jd.Primitive):
+    @jd.abstract
+    def shapes(self, x):
+        return _same(x)
+
+    @jd.forward
+    def apply(self, x, *, out):
+        np.negative(x, out=out)
+
+
+@pytest.mark.parametrize("cls", [Reverse, ReverseInto], ids=["return", "out"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("name", ALL_DTYPES)
+def test_every_dtype_round_trips(name, jit, cls):
+    x = _sample(name, (5, 3))
+    f = jax.jit(cls()) if jit else cls()
+    y = f(jnp.asarray(x))
+    assert y.dtype == _dtype(name) and y.shape == x.shape
+    np.testing.assert_array_equal(np.asarray(y), x[::-1])
+
+
+@pytest.mark.parametrize("name", [n for n in ALL_DTYPES if n != "bool"])
+def test_every_dtype_negates_like_numpy(name):
+    x = _sample(name, (7,), seed=1)
+    with np.errstate(over="ignore"):
+        expected = np.negative(x)
+    np.testing.assert_array_equal(np.asarray(jax.jit(Negate())(jnp.asarray(x))), expected)
+
+
+SHAPE_CASES = [(cls, shape) for cls in (Reverse, ReverseInto, Negate)
+               for shape in [(), (0,), (3, 0), (0, 4, 2)]
+               if shape != () or cls is Negate]  # reversal needs an axis
+
+
+@pytest.mark.parametrize("cls,shape", SHAPE_CASES,
+                         ids=[f"{c.__name__}-{s}" for c, s in SHAPE_CASES])
+def test_scalar_and_empty_arrays(cls, shape):
+    x = _sample("float64", shape, seed=2)
+    expected = -x if cls is Negate else x[::-1]
+    for f in (cls(), jax.jit(cls())):
+        y = f(jnp.asarray(x))
+        assert y.shape == shape and y.dtype == np.float64
+        np.testing.assert_array_equal(np.asarray(y), expected)
+
+
+def test_scalar_zero_copy():
+    y = Negate()(jnp.float32(2.5))
+    assert y.shape == () and y.dtype == np.float32 and float(y) == -2.5
+
+
+class Split(jd.Primitive):
+    """Three inputs of mixed dtypes, three outputs: (a + b, a * b, c + 1)."""
+
+    @jd.abstract
+    def shapes(self, a, b, c):
+        return _same(a), _same(a), _same(c)
+
+    @jd.forward
+    def apply(self, a, b, c):
+        return a + b, a * b, c + 1
+
+
+class SplitInto(jd.Primitive):
+    """Zero-copy form of Split."""
+
+    @jd.abstract
+    def shapes(self, a, b, c):
+        return _same(a), _same(a), _same(c)
+
+    @jd.forward
+    def apply(self, a, b, c, *, out):
+        s, p, c1 = out
+        np.add(a, b, out=s)
+        np.multiply(a, b, out=p)
+        np.add(c, 1, out=c1)
+
+
+@pytest.mark.parametrize("cls", [Split, SplitInto], ids=["return", "out"])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "complex64", "complex128"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_multiple_inputs_and_outputs(cls, dtype, jit):
+    a = _sample(dtype, (4, 2), seed=3)
+    b = _sample(dtype, (4, 2), seed=4)
+    c = np.arange(5, dtype=np.int32)
+    f = jax.jit(cls()) if jit else cls()
+    s, p, c1 = f(jnp.asarray(a), jnp.asarray(b), jnp.asarray(c))
+    np.testing.assert_allclose(s, a + b, rtol=tol(dtype))
+    np.testing.assert_allclose(p, a * b, rtol=tol(dtype))
+    assert c1.dtype == np.int32
+    np.testing.assert_array_equal(c1, c + 1)
+
+
+# ---------------------------------------------------------------------------
+# Tracing and transformations
+# ---------------------------------------------------------------------------
+
+
+def test_eager_calls_do_not_retrace():
+    traces = []
+    runs = []
+
+    class Counted(jd.Primitive):
+        @jd.abstract
+        def shapes(self, x):
+            traces.append(x.shape)
+            return _same(x)
+
+        @jd.forward
+        def apply(self, x):
+            runs.append(1)
+            return 2 * x
+
+    op = Counted()
+    for i in range(5):
+        np.testing.assert_array_equal(op(jnp.full(3, float(i))), np.full(3, 2.0 * i))
+    assert traces == [(3,)]
+    assert len(runs) == 5
+    from jaxdecl._op import handle_of
+    assert handle_of(op).eager._cache_size() == 1
+    op(jnp.ones(4))
+    assert traces == [(3,), (4,)]
+
+
+def test_jit_nested_in_jit():
+    x = np.linspace(-1.0, 1.0, 6)
+    inner = jax.jit(lambda v: Negate()(v) * 3)
+    outer = jax.jit(lambda v: inner(v) + 2 * Negate()(inner(v)))
+    np.testing.assert_allclose(outer(x), 3 * x, rtol=1e-15)
+    outer2 = jax.jit(lambda v: inner(inner(v)))
+    np.testing.assert_allclose(outer2(x), 9 * x, rtol=1e-15)
+
+
+def test_scan():
+    x0 = np.linspace(0.0, 1.0, 4)
+
+    def step(carry, k):
+        nxt = Negate()(carry) + k
+        return nxt, Reverse()(nxt)
+
+    final, ys = jax.jit(lambda c: jax.lax.scan(step, c, jnp.arange(3.0)))(x0)
+    carry, expected = x0, []
+    for k in range(3):
+        carry = -carry + k
+        expected.append(carry[::-1])
+    np.testing.assert_allclose(final, carry, rtol=1e-15)
+    np.testing.assert_allclose(ys, np.stack(expected), rtol=1e-15)
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_cond(flag):
+    x = np.array([1.0, -2.0, 3.0])
+    f = jax.jit(lambda p, v: jax.lax.cond(p, Negate(), Reverse(), v))
+    np.testing.assert_array_equal(f(flag, x), -x if flag else x[::-1])
+
+
+def test_checkpoint():
+    class Square(jd.Primitive):
+        @jd.abstract
+        def shapes(self, x):
+            return _same(x)
+
+        @jd.forward
+        def apply(self, x):
+            return x * x
+
+        @jd.vjp
+        def pull(self, x, ct):
+            return 2 * x * ct
+
+    x = np.array([0.5, -1.5, 2.0])
+    f = jax.checkpoint(lambda v: jnp.sum(Square()(v) * v))
+    np.testing.assert_allclose(jax.jit(f)(x), np.sum(x**3), rtol=1e-14)
+    np.testing.assert_allclose(jax.jit(jax.grad(f))(x), 3 * x**2, rtol=1e-14)
+
+
+# ---------------------------------------------------------------------------
+# Lifetime
+# ---------------------------------------------------------------------------
+
+
+def _compile_with_a_temporary_class(x):
+    class Affine(jd.Primitive):
+        def __init__(self, a):
+            self.a = a
+
+        @jd.abstract
+        def shapes(self, x):
+            return _same(x)
+
+        @jd.forward
+        def apply(self, x):
+            return self.a * x + 1
+
+    op = Affine(3.0)
+    return jax.jit(lambda v: op(v)).lower(x).compile()
+
+
+def test_compiled_function_outlives_op_and_class():
+    x = jnp.linspace(0.0, 1.0, 8)
+    compiled = _compile_with_a_temporary_class(x)
+    gc.collect()
+    np.testing.assert_allclose(compiled(x), 3 * np.asarray(x) + 1, rtol=1e-15)
+    np.testing.assert_allclose(compiled(2 * x), 6 * np.asarray(x) + 1, rtol=1e-15)
+
+
+# ---------------------------------------------------------------------------
+# Unsupported dtypes and 32-bit mode
+# ---------------------------------------------------------------------------
+
+
+def test_unsupported_input_dtype_raises_at_trace_time():
+    x = jnp.ones(3, jnp.float8_e4m3fn)
+    with pytest.raises(TypeError, match=r"Negate: input x has dtype float8_e4m3fn"):
+        jax.jit(Negate()).lower(x)  # tracing only, nothing runs
+    with pytest.raises(TypeError, match=r"input x.*float8_e4m3fn"):
+        Negate()(x)
+
+
+def test_unsupported_output_dtype_raises_at_trace_time():
+    class ToFloat8(jd.Primitive):
+        @jd.abstract
+        def shapes(self, x):
+            return jax.ShapeDtypeStruct(x.shape, jnp.float8_e4m3fn)
+
+        @jd.forward
+        def apply(self, x):
+            return x
+
+    with pytest.raises(TypeError, match=r"ToFloat8.shapes \(@abstract\) output 0"):
+        jax.jit(ToFloat8()).lower(jnp.ones(2))
+
+
+def test_without_x64():
+    env = dict(os.environ, JAX_ENABLE_X64="0", PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+         os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, HELPER, "x64_off"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])["results"]
+    assert results == ["ok"] * 10, results
