@@ -29,21 +29,45 @@ from ._cfunction import include_dir as include_dir
 from ._check import check as check
 from ._declare import (
     Primitive as Primitive,
+)
+from ._declare import (
     PrimitiveMeta as PrimitiveMeta,
+)
+from ._declare import (
     abstract as abstract,
+)
+from ._declare import (
     adjoint as adjoint,
+)
+from ._declare import (
     batch as batch,
+)
+from ._declare import (
     forward as forward,
+)
+from ._declare import (
     jvp as jvp,
+)
+from ._declare import (
     primitive as primitive,
+)
+from ._declare import (
     transpose as transpose,
+)
+from ._declare import (
     vjp as vjp,
 )
 from ._dtypes import SUPPORTED as SUPPORTED_DTYPES
 from ._errors import (
     BufferEscapeError as BufferEscapeError,
+)
+from ._errors import (
     DeclarationError as DeclarationError,
+)
+from ._errors import (
     MissingRuleError as MissingRuleError,
+)
+from ._errors import (
     RuleError as RuleError,
 )
 
@@ -53,6 +77,7 @@ _compat.hide_frames(_os.path.dirname(__file__))
 
 __all__ = [
     "Primitive", "PrimitiveMeta", "primitive", "abstract", "forward", "jvp", "vjp",
-    "transpose", "adjoint", "batch", "check", "cfunction", "CFunction", "include_dir", "SUPPORTED_DTYPES", "DeclarationError",
+    "transpose", "adjoint", "batch", "check", "cfunction", "CFunction", "include_dir",
+    "SUPPORTED_DTYPES", "DeclarationError",
     "MissingRuleError", "RuleError", "BufferEscapeError",
 ]

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ._cfunction import CFunction
 from ._errors import DeclarationError
@@ -67,7 +68,9 @@ def _takes_out(fn) -> bool:
     return parameter is not None and parameter.kind is inspect.Parameter.KEYWORD_ONLY
 
 
-abstract = _make_decorator("abstract", """Marks the shape rule: inputs as ``jax.ShapeDtypeStruct`` -> output struct(s).
+abstract = _make_decorator("abstract", """Marks the shape rule: input structs -> output struct(s).
+
+Inputs arrive as ``jax.ShapeDtypeStruct``; return one, or a tuple of them.
 
 Example:
     >>> import jax, jaxdecl as jd
@@ -82,7 +85,7 @@ Example:
     3.0
 """)
 
-forward = _make_decorator("forward", """Marks the evaluation rule, run on NumPy views of XLA's buffers.
+forward = _make_decorator("forward", """Marks the evaluation rule, run on views of XLA's buffers.
 
 Either return the result array(s), or take a keyword-only ``out`` (an array,
 or a tuple of them) and fill it in place (zero-copy form).
@@ -100,7 +103,9 @@ Example:
     9.0
 """)
 
-jvp = _make_decorator("jvp", """Marks the forward-mode rule ``(self, *inputs, *tangents) -> output tangent(s)``.
+jvp = _make_decorator("jvp", """Marks the forward-mode rule ``(self, *inputs, *tangents)``.
+
+Returns the output tangent(s).
 
 One tangent arrives per differentiable input (floating or complex, not in
 ``nondiff=``), in input order. With ``traceable=True`` the rule receives and
@@ -122,7 +127,9 @@ Example:
     1.0
 """, traceable_ok=True)
 
-vjp = _make_decorator("vjp", """Marks the reverse-mode rule ``(self, *inputs, *cotangents) -> input cotangent(s)``.
+vjp = _make_decorator("vjp", """Marks the reverse-mode rule ``(self, *inputs, *cotangents)``.
+
+Returns the input cotangent(s).
 
 One cotangent arrives per floating/complex output; one is returned per
 differentiable input (a tuple if several). Returns Jᵀ·ct, not conjugated.
@@ -164,7 +171,9 @@ Example:
     3.0
 """, wrt_ok=True)
 
-adjoint = _make_decorator("adjoint", """Marks the conjugate transpose (Aᴴy) of a linear op, instead of ``@transpose``.
+adjoint = _make_decorator("adjoint", """Marks the conjugate transpose Aᴴy of a linear op.
+
+An alternative to ``@transpose``.
 
 jaxdecl derives the transpose as ``conj(adjoint(conj(ct)))``; handy for
 libraries (FFTs, DUCC) that provide adjoints.
@@ -185,7 +194,9 @@ Example:
     1j
 """)
 
-batch = _make_decorator("batch", """Marks a trace-time batching rule ``(self, args, axes) -> (outputs, out_axes)``.
+batch = _make_decorator("batch", """Marks a trace-time batching rule ``(self, args, axes)``.
+
+Returns ``(outputs, out_axes)``.
 
 `args` are JAX values, `axes` their batch axis (an int, or None when not
 batched). The rule may call any op, typically a reconfigured instance of the

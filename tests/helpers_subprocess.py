@@ -98,7 +98,7 @@ def reentrant_threads(how: str, size: int, rounds: int = 1) -> list:
     for _ in range(rounds):
         slots = [None] * 4
 
-        def work(i):
+        def work(i, slots=slots):
             x = base + i
             slots[i] = _outcome(lambda: f(jnp.asarray(x)), np.sin(x))
 
@@ -153,7 +153,7 @@ def register_while_running() -> list:
     results = []
     for i in range(40):
         op = _Shift(float(i))
-        results.append(_outcome(lambda: op(jnp.ones(2)), np.full(2, 1.0 + i)))
+        results.append(_outcome(lambda op=op: op(jnp.ones(2)), np.full(2, 1.0 + i)))
     thread.join()
     kept.clear()
     return slot + results

@@ -642,7 +642,7 @@ def wgridder_inputs(rng, dtype):
 def wgridder_matrix(uvw, freq, do_wgridding):
     """Dense A of V = A d: exp(-2πi f/c (u l + v m - w (n-1))) / n, rows (row, chan)."""
     coords = (np.arange(NPIX) - NPIX / 2) * PIXSIZE
-    l, m = (c.ravel() for c in np.meshgrid(coords, coords, indexing="ij"))
+    l, m = (c.ravel() for c in np.meshgrid(coords, coords, indexing="ij"))  # noqa: E741
     if do_wgridding:
         nm1 = -(l**2 + m**2) / (np.sqrt(1 - l**2 - m**2) + 1)
     else:

@@ -5,11 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tol
 
 import jaxdecl as jd
 from jaxdecl._declare import spec_of
 from jaxdecl._op import handle_of
-from conftest import tol
 
 
 def _same(x):

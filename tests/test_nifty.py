@@ -259,9 +259,11 @@ def test_optimize_kl_moves_toward_truth(problem):
         problem["lh"], start, key=jax.random.PRNGKey(9), n_total_iterations=2, n_samples=2,
         draw_linear_kwargs={"cg_name": None, "cg_kwargs": {"maxiter": 20}},
         nonlinearly_update_kwargs={
-            "minimize_kwargs": {"name": None, "xtol": 1e-4, "maxiter": 5, "cg_kwargs": {"name": None}}},
+            "minimize_kwargs": {
+                "name": None, "xtol": 1e-4, "maxiter": 5, "cg_kwargs": {"name": None}}},
         kl_kwargs={
-            "minimize_kwargs": {"name": None, "xtol": 1e-4, "maxiter": 10, "cg_kwargs": {"name": None}}},
+            "minimize_kwargs": {
+                "name": None, "xtol": 1e-4, "maxiter": 10, "cg_kwargs": {"name": None}}},
     )
     skies = jax.vmap(sky)(samples.samples)
     assert skies.shape == (4, NPIX)  # 2 samples, mirrored

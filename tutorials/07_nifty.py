@@ -67,9 +67,11 @@ samples, state = jft.optimize_kl(
     likelihood, start, key=key_kl, n_total_iterations=2, n_samples=2,
     draw_linear_kwargs={"cg_name": None, "cg_kwargs": {"maxiter": 20}},
     nonlinearly_update_kwargs={
-        "minimize_kwargs": {"name": None, "xtol": 1e-4, "maxiter": 5, "cg_kwargs": {"name": None}}},
+        "minimize_kwargs": {
+                "name": None, "xtol": 1e-4, "maxiter": 5, "cg_kwargs": {"name": None}}},
     kl_kwargs={
-        "minimize_kwargs": {"name": None, "xtol": 1e-4, "maxiter": 10, "cg_kwargs": {"name": None}}},
+        "minimize_kwargs": {
+                "name": None, "xtol": 1e-4, "maxiter": 10, "cg_kwargs": {"name": None}}},
 )
 posterior = jax.vmap(sky)(samples.samples)
 mean = posterior.mean(axis=0)
