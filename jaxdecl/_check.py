@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _layout
-from ._op import spec_of
 from ._errors import RuleError
+from ._op import spec_of
 
 _DOT_RTOL = {"float16": 3e-2, "bfloat16": 3e-2, "float32": 2e-4, "complex64": 2e-4}
 _FD_RTOL = {"float16": 1e-1, "bfloat16": 1e-1, "float32": 2e-2, "complex64": 2e-2}

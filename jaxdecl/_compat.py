@@ -8,6 +8,7 @@ Everything version-specific is imported or shimmed here.
 from __future__ import annotations
 
 import jax
+from jax._src.dispatch import apply_primitive  # eager evaluation of a primitive
 from jax.interpreters import ad, batching, mlir
 
 try:  # jax >= 0.4.36
@@ -23,11 +24,13 @@ instantiate_zeros = ad.instantiate_zeros
 not_mapped = getattr(batching, "not_mapped", None)
 Tracer = jax.core.Tracer
 JaxRuntimeError = getattr(jax.errors, "JaxRuntimeError", RuntimeError)
+get_aval = jax.typeof
 
 __all__ = [
     "Primitive", "Zero", "UndefinedPrimal", "is_undefined_primal", "instantiate_zeros",
     "not_mapped", "Tracer", "JaxRuntimeError", "ad", "batching", "mlir",
-    "forbid_host_transfers", "restore_host_transfers", "float0_zero",
+    "forbid_host_transfers", "restore_host_transfers", "float0_zero", "apply_primitive",
+    "get_aval", "hide_frames",
 ]
 
 
@@ -51,10 +54,6 @@ def forbid_host_transfers():
 def restore_host_transfers(guard) -> None:
     """Undoes :func:`forbid_host_transfers`."""
     guard.__exit__(None, None, None)
-
-get_aval = jax.typeof
-from jax._src.dispatch import apply_primitive  # noqa: E402 - eager evaluation of a primitive
-
 
 def hide_frames(path: str) -> None:
     """Leaves jaxdecl's own frames out of JAX's filtered tracebacks."""

@@ -1,6 +1,7 @@
 """jaxdecl's XLA FFI dispatcher (CPU), built from csrc/handler.cc and csrc/module.cc."""
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 def registrations() -> dict[str, Any]:
     """FFI targets (PyCapsules) to pass to jax.ffi.register_ffi_target on 'cpu'."""

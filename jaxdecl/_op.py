@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from . import _compat, _dtypes, _errors, _layout, _runtime
 from ._cfunction import CFunction
 from ._errors import MissingRuleError
-from ._layout import FORWARD, JVP, TRANSPOSE, TRANSPOSE_WRT, VJP
+from ._layout import FORWARD, JVP, TRANSPOSE, TRANSPOSE_WRT
 
 _handles: dict = {}
 _lock = threading.RLock()

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import tol
 
 import jaxdecl as jd
-from conftest import tol
 
 HELPER = os.path.join(os.path.dirname(__file__), "helpers_subprocess.py")
 ALL_DTYPES = [
