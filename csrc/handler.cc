@@ -187,19 +187,21 @@ std::string DescribeEscape(const Kernel& kernel, bool is_output,
   return message;
 }
 
-// Checks both tuples.  Before reporting an escape it collects garbage (JAX's
-// own reference cycles can hold a view) and gives other threads a few
-// milliseconds: a JAX array made from a view inside the rule lets go of the
-// view only when its device buffer is released, which XLA may do on another
-// thread just after the computation completes.  Only the failing path waits.
+// Checks both tuples.  Before reporting an escape it collects garbage once
+// (JAX's own reference cycles can hold a view) and then gives other threads up
+// to ~50 ms: a JAX array made from a view inside the rule lets go of the view
+// only when its device buffer is released, which XLA may do on another thread
+// just after the computation completes.  Only the failing path waits.
 std::string CheckEscapes(const Kernel& kernel, PyObject* inputs,
                          PyObject* outputs) {
-  if (FirstEscaped(inputs) < 0 && FirstEscaped(outputs) < 0) return {};
-  for (int attempt = 0; attempt < 20; ++attempt) {
-    PyObject* collected = PyObject_CallNoArgs(g_gc_collect);
-    if (collected == nullptr) PyErr_Clear();
-    Py_XDECREF(collected);
-    if (FirstEscaped(inputs) < 0 && FirstEscaped(outputs) < 0) return {};
+  auto clean = [&] {
+    return FirstEscaped(inputs) < 0 && FirstEscaped(outputs) < 0;
+  };
+  if (clean()) return {};
+  PyObject* collected = PyObject_CallNoArgs(g_gc_collect);
+  if (collected == nullptr) PyErr_Clear();
+  Py_XDECREF(collected);
+  for (int attempt = 0; attempt < 50 && !clean(); ++attempt) {
     Py_BEGIN_ALLOW_THREADS
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
     Py_END_ALLOW_THREADS
