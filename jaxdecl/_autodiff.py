@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.core import ShapedArray
 
 from . import _compat
 from ._errors import MissingRuleError
@@ -30,10 +29,6 @@ def _bind(op, rule, operands, primals, batch, wrt=-1):
 
 def _is_zero(t) -> bool:
     return type(t) is Zero
-
-
-def _zero_like(shape, dtype, batch) -> Zero:
-    return _compat.float0_zero(ShapedArray(batch + shape, dtype))
 
 
 def _check_nondiff(op, layout, tangents, inputs=None) -> None:
@@ -136,9 +131,8 @@ def jvp_rule(operands, tangents, *, op, rule, wrt, primals, batch):
         from ._batching import broadcast_vmapped
 
         evaluate = broadcast_vmapped(form, batch, len(operands))
-        inst = [_compat.instantiate_zeros(t) if not _is_float0(t) else jnp.zeros_like(o)
-                for o, t in zip(operands, tangents)]
-        return jax.jvp(lambda *a: evaluate(*a), list(operands), inst)
+        dense = [_compat.instantiate_zeros(t) if _is_zero(t) else t for t in tangents]
+        return jax.jvp(lambda *a: evaluate(*a), list(operands), dense)
 
     outs = _bind(op, rule, operands, **params)
     out_avals = [o.aval for o in outs]

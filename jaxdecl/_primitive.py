@@ -51,7 +51,7 @@ def _lowering(ctx, *args, op, rule, wrt, primals, batch):
     traceable = op.traceable(rule)
     if traceable is not None:
         evaluate = _batching.broadcast_vmapped(traceable, batch, len(args))
-        return jax.interpreters.mlir.lower_fun(evaluate, multiple_results=True)(ctx, *args)
+        return _compat.mlir.lower_fun(evaluate, multiple_results=True)(ctx, *args)
     op.user_rule(rule, wrt)  # raises MissingRuleError before anything runs
     in_shapes = tuple(tuple(aval.shape) for aval in ctx.avals_in)
     key = op.kernel_key(rule, wrt, primals, batch, in_shapes)

@@ -740,3 +740,31 @@ def test_bilinear_jacrev_of_jacrev(dtype):
     _assert_tree_close(jax.jit(hess(FlipMul()))(x), expected, dtype)
     if dtype == "float64":  # op by op, once
         _assert_tree_close(hess(FlipMul())(x), expected, dtype)
+
+
+class PowInt(jd.Primitive):
+    """x**k with an integer exponent input; second order through the traceable @jvp."""
+
+    @jd.abstract
+    def shapes(self, x, k):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x, k):
+        return x**k
+
+    @jd.jvp(traceable=True)
+    def push(self, x, k, dx):
+        return k * x ** (k - 1) * dx
+
+    @jd.vjp
+    def pull(self, x, k, ct):
+        return k * x ** (k - 1) * ct
+
+
+def test_second_order_with_an_integer_input():
+    x, k = jnp.array([1.0, 2.0, 0.5]), jnp.array([3, 2, 4])
+    f = lambda v: jnp.sum(PowInt()(v, k))
+    reference = jax.hessian(lambda v: jnp.sum(v**k))(x)
+    np.testing.assert_allclose(jax.hessian(f)(x), reference, rtol=1e-12)
+    np.testing.assert_allclose(jax.jit(jax.jacfwd(jax.grad(f)))(x), reference, rtol=1e-12)
