@@ -28,3 +28,18 @@ def tol(dtype) -> float:
 @pytest.fixture(params=["float32", "float64", "complex64", "complex128"])
 def inexact_dtype(request):
     return np.dtype(request.param)
+
+
+def subprocess_env(**variables) -> dict:
+    """Environment for a child Python that imports the same jaxdecl as this test run.
+
+    The package's parent folder goes first on PYTHONPATH: the installed copy in
+    CI, the source tree when the tests run against a built checkout.
+    """
+    import jaxdecl
+
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(jaxdecl.__file__)))
+    env = dict(os.environ, **variables)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [package_parent] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return env

@@ -1,12 +1,12 @@
 """Smoke test of benchmarks/run.py: the quick run completes and reports every case."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
+from conftest import subprocess_env
 
 pytest.importorskip("jaxbind")
 
@@ -17,7 +17,7 @@ CASES = {"1_jit_10_1in", "2_jit_10_4in", "2_jit_10_16in", "3_eager_10_1in", "4_j
 
 def test_quick_run_reports_every_case(tmp_path):
     prefix = tmp_path / "results"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = subprocess_env()
     env.pop("XLA_FLAGS", None)  # the benchmark runs on one host device, as users do
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--no-chart",

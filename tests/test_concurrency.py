@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import subprocess_env
 
 import jaxdecl as jd
 
@@ -73,9 +74,7 @@ def test_threads_call_eager_ops_with_different_shapes():
 
 def _scenario(*args):
     """Runs a helpers_subprocess scenario; fails the test if it hangs or crashes."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-         os.environ.get("PYTHONPATH", "")]))
+    env = subprocess_env()
     try:
         done = subprocess.run([sys.executable, HELPER, *map(str, args)], env=env,
                               capture_output=True, text=True, timeout=TIMEOUT)

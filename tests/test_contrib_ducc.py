@@ -1,6 +1,5 @@
 """Tests of jaxdecl.contrib.ducc: DUCC transforms against NumPy/JAX references."""
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -9,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tol
+from conftest import subprocess_env, tol
 
 import jaxdecl as jd
 
@@ -404,10 +403,8 @@ def test_synthesis_without_x64():
         assert ducc.c2c(axes=(1,))(x).dtype == jnp.complex64
         print("ok")
     """)
-    env = dict(os.environ)
+    env = subprocess_env()
     env.pop("JAX_ENABLE_X64", None)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                             text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import tol
+from conftest import subprocess_env, tol
 
 import jaxdecl as jd
 
@@ -391,9 +391,7 @@ def test_unsupported_output_dtype_raises_at_trace_time():
 
 
 def test_without_x64():
-    env = dict(os.environ, JAX_ENABLE_X64="0", PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-         os.environ.get("PYTHONPATH", "")]))
+    env = subprocess_env(JAX_ENABLE_X64="0")
     done = subprocess.run([sys.executable, HELPER, "x64_off"], env=env, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-3000:]

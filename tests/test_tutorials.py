@@ -1,18 +1,18 @@
 """Every tutorial runs to completion as a script."""
 
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
+from conftest import subprocess_env
 
 TUTORIALS = sorted((pathlib.Path(__file__).parent.parent / "tutorials").glob("*.py"))
 
 
 @pytest.mark.parametrize("script", TUTORIALS, ids=[t.name for t in TUTORIALS])
 def test_tutorial_runs(script, tmp_path):
-    env = dict(os.environ, MPLBACKEND="Agg")
+    env = subprocess_env(MPLBACKEND="Agg")
     env.pop("XLA_FLAGS", None)  # tutorials run as a reader would: default devices
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=300)
