@@ -222,14 +222,26 @@ def make_kernel(function, *, zero_copy: bool, io: RuleIO, context: str,
     else:
         run = element
 
-    def kernel(ins, outs):
-        try:
-            run(ins, outs)
-        except BaseException as exc:  # noqa: BLE001 - every error goes back to XLA
-            # This frame holds `ins` and `outs`; the rule's frames are below it.
-            exc.__traceback__ = exc.__traceback__.tb_next
-            return stash(_explain(exc, context), context)
-        return None
+    def fail(exc: BaseException) -> str:
+        # The kernel's frame holds `ins` and `outs`; the rule's frames are below it.
+        exc.__traceback__ = exc.__traceback__.tb_next
+        return stash(_explain(exc, context), context)
+
+    if run is element and zero_copy and single:
+        # The hot path of an unbatched zero-copy rule: one Python frame of ours.
+        def kernel(ins, outs):
+            try:
+                function(*ins, out=outs[0])
+            except BaseException as exc:  # noqa: BLE001 - every error goes back to XLA
+                return fail(exc)
+            return None
+    else:
+        def kernel(ins, outs):
+            try:
+                run(ins, outs)
+            except BaseException as exc:  # noqa: BLE001 - every error goes back to XLA
+                return fail(exc)
+            return None
 
     def on_escape(is_output: bool, index: int) -> str:
         names = io.out_names if is_output else io.in_names
