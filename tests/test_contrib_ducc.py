@@ -1,5 +1,6 @@
 """Tests of jaxdecl.contrib.ducc: DUCC transforms against NumPy/JAX references."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -405,7 +406,9 @@ def test_synthesis_without_x64():
     """)
     env = subprocess_env()
     env.pop("JAX_ENABLE_X64", None)
+    # `python -c` puts the working folder first on sys.path: not the source tree.
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__)),
                             text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("ok")
