@@ -31,7 +31,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(1, str(HERE.parent))
 
 NMAPS = 16
 
