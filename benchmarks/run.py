@@ -354,9 +354,9 @@ def _jitted(f, *args):
     return lambda: g(*args)
 
 
-def case_jit_1input(n=10, profile=False):
-    x = jnp.arange(n, dtype=F64)
-    candidates = {
+def _double_candidates(x):
+    """Every variant of `out = 2 x` on `x`, jitted (cases 1 and 4)."""
+    return {
         "native": lambda: _jitted(lambda a: a * 2, x),
         "jaxdecl": lambda: _jitted(Double(), x),
         "jaxdecl[C]": double_c_class() and (lambda: _jitted(double_c_class()(), x)),
@@ -364,6 +364,11 @@ def case_jit_1input(n=10, profile=False):
         "pure_callback": lambda: _jitted(pure_double, x),
         "buffer_callback": buffer_callback and (lambda: _jitted(buffer_double, x)),
     }
+
+
+def case_jit_1input(n=10, profile=False):
+    x = jnp.arange(n, dtype=F64)
+    candidates = _double_candidates(x)
     if profile:
         # Same dispatch, no work: what remains is the cost of reaching the rule.
         candidates["jaxdecl[empty]"] = lambda: _jitted(DoubleEmpty(), x)
@@ -376,6 +381,7 @@ def case_jit_1input(n=10, profile=False):
 
 
 def _build_unchecked(candidates):
+    """Like _build without the value check: empty rules leave their output unwritten."""
     variants, skipped = {}, {}
     for name, make in candidates.items():
         if make is None:
@@ -415,16 +421,7 @@ def case_eager(n=10):
 
 
 def case_large(n):
-    x = jnp.arange(n, dtype=F64)
-    candidates = {
-        "native": lambda: _jitted(lambda a: a * 2, x),
-        "jaxdecl": lambda: _jitted(Double(), x),
-        "jaxdecl[C]": double_c_class() and (lambda: _jitted(double_c_class()(), x)),
-        "jaxbind": jaxbind and (lambda: _jitted(jb_single(jaxbind_call(_jb_double)), x)),
-        "pure_callback": lambda: _jitted(pure_double, x),
-        "buffer_callback": buffer_callback and (lambda: _jitted(buffer_double, x)),
-    }
-    return _build(candidates)
+    return _build(_double_candidates(jnp.arange(n, dtype=F64)))
 
 
 def case_vmap(batch=64, n=10):
