@@ -99,7 +99,7 @@ class OpHandle:
         function = user.bind(self.instance)
         if user.kind == "adjoint":
             n_lead = len(io.in_names) - sum(self.layout(primals).float_out)
-            function = _runtime._conjugating(function, user.zero_copy, n_lead)
+            function = _runtime.transpose_from_adjoint(function, user.zero_copy, n_lead)
         kernel, on_escape = _runtime.make_kernel(
             function, zero_copy=user.zero_copy, io=io,
             context=f"{self.spec.name}.{user.name} (@{user.kind})",

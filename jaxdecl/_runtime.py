@@ -98,10 +98,10 @@ def _broadcasts(shape, target, batch_rank: int) -> bool:
             and all(s in (1, t) for s, t in zip(shape[:batch_rank], target[:batch_rank])))
 
 
-def _conjugating(function, zero_copy: bool, n_lead: int):
+def transpose_from_adjoint(function, zero_copy: bool, n_lead: int):
     """Turns an adjoint rule A^H into the transpose conj(A^H(conj(ct)))."""
 
-    def transpose_from_adjoint(*args, out=None):
+    def transpose(*args, out=None):
         args = args[:n_lead] + tuple(np.conj(a) if np.iscomplexobj(a) else a
                                      for a in args[n_lead:])
         if zero_copy:
@@ -115,7 +115,7 @@ def _conjugating(function, zero_copy: bool, n_lead: int):
             return tuple(np.conj(r) for r in result)
         return np.conj(result)
 
-    return transpose_from_adjoint
+    return transpose
 
 
 def _loop(function, element, zero_copy_single: bool, batch_shape: tuple, in_shapes,
