@@ -44,13 +44,7 @@ def test_threads_share_a_jitted_op(size):
         except Exception as exc:  # noqa: BLE001 - collected for the main thread
             failures.append(exc)
 
-    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(TIMEOUT)
-    assert not any(t.is_alive() for t in threads), "a thread hangs"
-    assert not failures, failures
+    _run_in_threads(work, failures)
 
 
 def test_threads_call_eager_ops_with_different_shapes():
@@ -63,7 +57,12 @@ def test_threads_call_eager_ops_with_different_shapes():
         except Exception as exc:  # noqa: BLE001
             failures.append(exc)
 
-    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(4)]
+    _run_in_threads(work, failures)
+
+
+def _run_in_threads(work, failures, count=4):
+    """Runs work(0..count-1) on as many threads; fails on a hang or a collected failure."""
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(count)]
     for thread in threads:
         thread.start()
     for thread in threads:
