@@ -335,17 +335,17 @@ const Kernel* FindKernel(int64_t key) {
 
 int64_t KernelCount() { return g_next_key.load() - 1; }
 
+bool Initialize() {
+  PyObject* gc = PyImport_ImportModule("gc");
+  if (gc == nullptr) return false;
+  g_gc_collect = PyObject_GetAttrString(gc, "collect");
+  Py_DECREF(gc);
+  return g_gc_collect != nullptr;
+}
+
 void SetDescr(int code, PyObject* descr) {
   Py_XDECREF(g_descrs[code]);
   g_descrs[code] = reinterpret_cast<PyArray_Descr*>(descr);
-  if (g_gc_collect == nullptr) {
-    PyObject* gc = PyImport_ImportModule("gc");
-    if (gc != nullptr) {
-      g_gc_collect = PyObject_GetAttrString(gc, "collect");
-      Py_DECREF(gc);
-    }
-    PyErr_Clear();
-  }
 }
 
 void SetWorkerHooks(PyObject* enter, PyObject* exit) {

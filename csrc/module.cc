@@ -57,6 +57,7 @@ py::dict ElementTypes() {
 PYBIND11_MODULE(_dispatch, m) {
   m.doc() = "jaxdecl's XLA FFI dispatcher (CPU).";
   if (_import_array() < 0) throw py::error_already_set();
+  if (!jaxdecl::Initialize()) throw py::error_already_set();
 
   m.def("registrations", []() {
     py::dict targets;

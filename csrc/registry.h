@@ -23,6 +23,10 @@ struct Kernel {
   PyObject* keepalive = nullptr;   // owner of c_function's code (capsule, ctypes)
 };
 
+// Looks up what the handler needs from Python (gc.collect); false with a
+// Python error set on failure.  Called once, when the module is imported.
+bool Initialize();
+
 // Registers a kernel for the process's lifetime; returns its key (>= 1), or
 // -1 when the registry is full.  Keys are never reused: a compiled executable
 // may carry one for as long as the process lives.

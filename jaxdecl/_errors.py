@@ -66,14 +66,16 @@ def stash(exc: BaseException, context: str) -> str:
     return f"{context} raised {kind}: {exc} {_MARK.format(number)}\n{tb}"
 
 
-def _drop_tracebacks(exc: BaseException | None) -> None:
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        exc.__traceback__ = None
-        if exc.__cause__ is not None:
-            _drop_tracebacks(exc.__cause__)
-        exc = exc.__context__
+def _drop_tracebacks(exc: BaseException) -> None:
+    """Clears the traceback of `exc` and of every exception chained to it."""
+    pending, seen = [exc], set()
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        current.__traceback__ = None
+        pending += [current.__cause__, current.__context__]
 
 
 def reraise_original(error: BaseException) -> None:

@@ -22,20 +22,20 @@ from . import _compat, _dispatch, _dtypes, _errors
 from ._errors import BufferEscapeError, RuleError
 from ._layout import RuleIO
 
-_DTYPES_READY = False
+_DISPATCHER_READY = False
 
 
 def _setup_dispatcher() -> None:
     """Teaches the dispatcher NumPy's dtypes and registers the FFI target, once."""
-    global _DTYPES_READY
-    if _DTYPES_READY:
+    global _DISPATCHER_READY
+    if _DISPATCHER_READY:
         return
     for name, code in _dispatch.element_types().items():
         _dispatch.set_dtype(code, _dtypes.numpy_dtype(name))
     _dispatch.set_worker_hooks(_compat.forbid_host_transfers, _compat.restore_host_transfers)
     for target, capsule in _dispatch.registrations().items():
         jax.ffi.register_ffi_target(target, capsule, platform="cpu")
-    _DTYPES_READY = True
+    _DISPATCHER_READY = True
 
 
 TARGET = "jaxdecl_dispatch"
@@ -223,7 +223,7 @@ def make_kernel(function, *, zero_copy: bool, io: RuleIO, context: str,
         run = element
 
     def fail(exc: BaseException) -> str:
-        # The kernel's frame holds `ins` and `outs`; the rule's frames are below it.
+        # The reported traceback starts at the rule, not at this wrapper.
         exc.__traceback__ = exc.__traceback__.tb_next
         return stash(_explain(exc, context), context)
 
