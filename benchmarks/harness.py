@@ -1,13 +1,13 @@
-"""Interleaved timing of competing variants, plus the JSON report and the chart.
+"""Interleaved timing of competing variants, plus the JSON report, the table and the chart.
 
 A *case* is a set of variants (zero-argument callables returning JAX values)
-that compute the same thing. :func:`time_case` builds nothing itself: the
-caller compiles and warms every variant first, then this module alternates
-them in rounds (A B C, B C A, C A B, ...), so slow drifts of the machine
-(frequency scaling, other processes) hit every variant alike. Each round
-times one batch of calls per variant with :func:`time.perf_counter`; every
-call is followed by ``jax.block_until_ready``, so the numbers are per-call
-latencies, not throughput of an asynchronous queue.
+that compute the same thing. :func:`build_variants` compiles, runs and checks
+each variant once (one that fails or disagrees is skipped, not fatal); then
+:func:`time_case` alternates them in rounds (A B C, B C A, C A B, ...), so
+slow drifts of the machine (frequency scaling, other processes) hit every
+variant alike. Each round times one batch of calls per variant with
+:func:`time.perf_counter`; every call is followed by ``jax.block_until_ready``,
+so the numbers are per-call latencies, not throughput of an asynchronous queue.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import dataclasses
 import json
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
 
 @dataclasses.dataclass
@@ -40,6 +41,45 @@ class Stats:
     def as_dict(self) -> dict[str, Any]:
         return {"median_s": self.median, "min_s": self.min, "number": self.number,
                 "rounds": len(self.samples), "samples_s": self.samples}
+
+
+def build_variants(candidates: Mapping[str, Callable[[], Callable[[], Any]] | None], *,
+                   unchecked: Collection[str] = (), rtol: float = 1e-12,
+                   atol: float = 0.0) -> tuple[dict[str, Callable[[], Any]], dict[str, str]]:
+    """Builds every candidate variant, runs it once and checks its result.
+
+    Args:
+      candidates: name -> a maker (a zero-argument callable returning the variant), or None
+        where the variant's library is not installed. Making and the first call compile.
+      unchecked: names whose result is not compared (rules that write nothing, say).
+      rtol, atol: how close each variant's first output must be to the first checked
+        variant's; `atol` is relative to that reference's largest magnitude.
+
+    Returns:
+      (variants, skipped): name -> variant, ready for :func:`time_case`, and name -> why
+      it was left out ("not installed", the error it raised, or "wrong result").
+    """
+    variants, skipped, reference = {}, {}, None
+    for name, make in candidates.items():
+        if make is None:
+            skipped[name] = "not installed"
+            continue
+        try:
+            fn = make()
+            result = jax.block_until_ready(fn())
+        except Exception as error:  # noqa: BLE001 - report and carry on
+            skipped[name] = f"{type(error).__name__}: {error}"[:300]
+            continue
+        if name not in unchecked:
+            value = np.asarray(jax.tree_util.tree_leaves(result)[0])
+            if reference is None:
+                reference = value
+            elif not np.allclose(value, reference, rtol=rtol,
+                                 atol=atol * float(np.max(np.abs(reference), initial=0.0))):
+                skipped[name] = "wrong result"
+                continue
+        variants[name] = fn
+    return variants, skipped
 
 
 def _batch(fn: Callable[[], Any], number: int) -> float:
@@ -115,6 +155,34 @@ def format_time(seconds: float) -> str:
     if seconds >= 1e-4:
         return f"{seconds * 1e3:8.3f} ms"
     return f"{seconds * 1e6:8.2f} µs"
+
+
+def _ratio_cell(value: float | None, width: int) -> str:
+    return " " * width if value is None else f"{value:{width}.2f}"
+
+
+def print_case(title: str, stats: Mapping[str, Stats],
+               ratio_columns: Mapping[str, Mapping[str, float]],
+               skipped: Mapping[str, str] | None = None) -> None:
+    """Prints one case: per variant the median and min per-call time and its ratios.
+
+    Args:
+      title: the case's heading.
+      stats: name -> :class:`Stats`, as :func:`time_case` returns them.
+      ratio_columns: column heading -> (name -> ratio), as :func:`ratios` returns them;
+        a variant without a ratio gets a blank cell.
+      skipped: name -> why the variant was not timed.
+    """
+    headings = list(ratio_columns)
+    print(f"\n{title}")
+    print(f"  {'variant':28s} {'median':>11s} {'min':>11s}"
+          + "".join(f" {heading:>{len(heading) + 1}s}" for heading in headings))
+    for name, s in stats.items():
+        cells = "".join(f" {_ratio_cell(ratio_columns[h].get(name), len(h) + 1)}"
+                        for h in headings)
+        print(f"  {name:28s} {format_time(s.median)} {format_time(s.min)}{cells}")
+    for name, why in (skipped or {}).items():
+        print(f"  {name:28s} skipped: {why}")
 
 
 def draw_chart(path, cases: Mapping[str, Mapping[str, Any]], *, title: str = "") -> None:
