@@ -1,10 +1,12 @@
-// The XLA FFI handler behind every jaxdecl primitive on CPU.
+// The XLA FFI handlers behind every jaxdecl primitive on CPU.
 //
-// XLA calls `jaxdecl_dispatch` with an integer attribute `key` and the op's
-// buffers.  The key indexes a registry of kernels that holds strong
-// references for the process's lifetime, so a compiled executable keeps
-// working after the user drops the op: the key, never an object address, is
-// what the HLO carries.
+// `jaxdecl_dispatch` is what compiled HLO calls: its attributes carry the
+// kernel's fingerprint (and name, for messages), never an object address or
+// a process-local number, so that a program compiled, cached or serialized
+// in one process runs the same op in another, or fails with an error that
+// names it.  `jaxdecl_dispatch_eager` is the eager path's: one compiled
+// executable per signature serves every op, the kernel's slot arriving as the
+// first operand.
 //
 // Python kernels (built by jaxdecl/_runtime.py) get every buffer wrapped as a
 // NumPy array on XLA's own memory (inputs read-only, outputs writable, no
@@ -24,9 +26,13 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <mutex>
+#include <optional>
+#include <shared_mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
@@ -51,21 +57,37 @@ static_assert(JAXDECL_COMPLEX64 == static_cast<int>(ffi::DataType::C64));
 static_assert(JAXDECL_BFLOAT16 == static_cast<int>(ffi::DataType::BF16));
 static_assert(JAXDECL_COMPLEX128 == static_cast<int>(ffi::DataType::C128));
 
-// A fixed table of pointers, so that C kernels can be looked up without the
-// GIL while Python registers new ones: slots are written once, before their
-// key is handed out, and never change.  1M slots of 8 bytes are reserved
-// address space; only the pages in use are ever touched.
-constexpr int64_t kMaxKernels = int64_t{1} << 20;
-std::array<std::atomic<const Kernel*>, kMaxKernels> g_table{};
-std::atomic<int64_t> g_next_key{1};
-std::mutex g_register_mutex;
+struct FingerprintHash {
+  size_t operator()(const Fingerprint& f) const {
+    return static_cast<size_t>(f.hi ^ (f.lo * 0x9E3779B97F4A7C15ull));
+  }
+};
+
+// Slots and the fingerprint index.  Readers (XLA's threads, possibly without
+// the GIL) copy a shared pointer under the shared lock, so a registration
+// released while a call runs is destroyed when that call ends.  Allocated
+// once and never destroyed: the interpreter may be gone at process exit.
+struct Registry {
+  std::shared_mutex mutex;
+  std::vector<KernelPtr> slots{nullptr};  // slot 0 is never used
+  std::vector<int64_t> free_slots;
+  std::unordered_map<Fingerprint, std::vector<int64_t>, FingerprintHash> by_fingerprint;
+  int64_t live = 0;
+};
+
+Registry& registry() {
+  static Registry* instance = new Registry();
+  return *instance;
+}
 
 std::array<PyArray_Descr*, 256> g_descrs{};
 PyObject* g_gc_collect = nullptr;
 PyObject* g_worker_enter = nullptr;  // () -> token
 PyObject* g_worker_exit = nullptr;   // (token) -> None
 
-constexpr int64_t kMessageSize = 2048;
+// Room for a C kernel's error message; the buffer is per thread, allocated
+// once, and only its first byte is cleared per call.
+constexpr int64_t kMessageSize = 64 * 1024;
 
 // ---------------------------------------------------------------------------
 // Python kernels
@@ -143,12 +165,13 @@ PyObject* WrapAll(const Buffers& buffers, bool writable, std::string* error) {
 
 // Index of the first view referenced by more than its tuple, or -1.  Read
 // with PyTuple_GET_ITEM: an accessor that caches references would count.
+// The empty tuple is a shared singleton: its count says nothing.
 Py_ssize_t FirstEscaped(PyObject* tuple) {
   Py_ssize_t n = PyTuple_GET_SIZE(tuple);
   for (Py_ssize_t i = 0; i < n; ++i) {
     if (Py_REFCNT(PyTuple_GET_ITEM(tuple, i)) != 1) return i;
   }
-  return Py_REFCNT(tuple) != 1 ? n : -1;
+  return (n > 0 && Py_REFCNT(tuple) != 1) ? n : -1;
 }
 
 std::string FetchPythonError() {
@@ -175,11 +198,19 @@ std::string MessageOf(PyObject* result, const char* fallback) {
   return message;
 }
 
-// Asks Python to describe (and record) an escaped view.
+// Asks Python to describe (and record) an escaped view.  `error` is the
+// message of the rule's own failure, if any: an exception that carries a
+// view must not reach the caller, so Python replaces it.
 std::string DescribeEscape(const Kernel& kernel, bool is_output,
-                           Py_ssize_t index) {
+                           Py_ssize_t index, const std::string& error) {
+  PyObject* pending = error.empty()
+                          ? Py_NewRef(Py_None)
+                          : PyUnicode_DecodeUTF8(error.data(), error.size(),
+                                                 "replace");
+  if (pending == nullptr) return FetchPythonError();
   PyObject* text = PyObject_CallFunction(
-      kernel.on_escape, "On", is_output ? Py_True : Py_False, index);
+      kernel.on_escape, "OnO", is_output ? Py_True : Py_False, index, pending);
+  Py_DECREF(pending);
   if (text == nullptr) return FetchPythonError();
   std::string message =
       MessageOf(text, "jaxdecl: a rule kept a reference to a buffer view");
@@ -188,12 +219,13 @@ std::string DescribeEscape(const Kernel& kernel, bool is_output,
 }
 
 // Checks both tuples.  Before reporting an escape it collects garbage once
-// (JAX's own reference cycles can hold a view) and then gives other threads up
+// (JAX's own reference cycles can hold a view; see SetCollect for what else
+// that hook releases) and then gives other threads up
 // to ~50 ms: a JAX array made from a view inside the rule lets go of the view
 // only when its device buffer is released, which XLA may do on another thread
 // just after the computation completes.  Only the failing path waits.
 std::string CheckEscapes(const Kernel& kernel, PyObject* inputs,
-                         PyObject* outputs) {
+                         PyObject* outputs, const std::string& error) {
   auto clean = [&] {
     return FirstEscaped(inputs) < 0 && FirstEscaped(outputs) < 0;
   };
@@ -207,9 +239,9 @@ std::string CheckEscapes(const Kernel& kernel, PyObject* inputs,
     Py_END_ALLOW_THREADS
   }
   Py_ssize_t in = FirstEscaped(inputs);
-  if (in >= 0) return DescribeEscape(kernel, false, in);
+  if (in >= 0) return DescribeEscape(kernel, false, in, error);
   Py_ssize_t out = FirstEscaped(outputs);
-  if (out >= 0) return DescribeEscape(kernel, true, out);
+  if (out >= 0) return DescribeEscape(kernel, true, out, error);
   return {};
 }
 
@@ -227,34 +259,48 @@ std::string RunPythonKernel(const Kernel& kernel, ffi::RemainingArgs args,
       error = MessageOf(result, "jaxdecl: a host kernel returned a non-string");
     }
     Py_XDECREF(result);
-    std::string escaped = CheckEscapes(kernel, inputs, outputs);
-    if (error.empty()) error = escaped;
+    // An escape outranks the rule's own error: that error may be what holds
+    // the view (an exception carrying its output).
+    std::string escaped = CheckEscapes(kernel, inputs, outputs, error);
+    if (!escaped.empty()) error = escaped;
   }
   Py_XDECREF(inputs);
   Py_XDECREF(outputs);
   return error;
 }
 
-std::string RunPythonKernelWithGil(const Kernel& kernel,
+// `refind`: the fingerprint the kernel was found by, to find a live
+// registration when this one's op is gone (several can share a fingerprint).
+std::string RunPythonKernelWithGil(KernelPtr kernel, const Fingerprint* refind,
                                    ffi::RemainingArgs args,
                                    ffi::RemainingRets rets) {
-  if (!Py_IsInitialized()) return "jaxdecl: the Python interpreter is gone";
   // A thread Python has never seen is one of XLA's workers (see
   // g_worker_enter in registry.h's SetWorkerHooks).
   bool on_worker = PyGILState_GetThisThreadState() == nullptr;
   PyGILState_STATE gil = PyGILState_Ensure();
+  if (!kernel->Alive() && refind != nullptr) {
+    KernelPtr live = FindLiveByFingerprint(*refind);
+    if (live != nullptr) kernel = std::move(live);
+  }
+  if (!kernel->Alive()) {
+    std::string error = "jaxdecl: " + kernel->name + ": the op was deleted";
+    kernel.reset();  // its destructor takes the GIL itself; we hold it
+    PyGILState_Release(gil);
+    return error;
+  }
   PyObject* token = nullptr;
   if (on_worker && g_worker_enter != nullptr) {
     token = PyObject_CallNoArgs(g_worker_enter);
     if (token == nullptr) PyErr_Clear();
   }
-  std::string error = RunPythonKernel(kernel, args, rets);
+  std::string error = RunPythonKernel(*kernel, args, rets);
   if (token != nullptr) {
     PyObject* done = PyObject_CallOneArg(g_worker_exit, token);
     if (done == nullptr) PyErr_Clear();
     Py_XDECREF(done);
     Py_DECREF(token);
   }
+  kernel.reset();  // a registration released meanwhile is destroyed here, GIL held
   PyGILState_Release(gil);
   return error;
 }
@@ -280,37 +326,76 @@ bool Describe(const Buffers& buffers, std::vector<jaxdecl_buffer>* out) {
 std::string RunCKernel(jaxdecl_kernel function,
                        const std::vector<jaxdecl_buffer>& inputs,
                        const std::vector<jaxdecl_buffer>& outputs) {
-  char message[kMessageSize] = {0};
+  thread_local std::vector<char> message(kMessageSize);
+  message[0] = '\0';
   int status = function(inputs.data(), static_cast<int64_t>(inputs.size()),
                         outputs.data(), static_cast<int64_t>(outputs.size()),
-                        message, kMessageSize);
+                        message.data(), kMessageSize);
   if (status == 0) return {};
+  bool truncated = std::memchr(message.data(), '\0', kMessageSize) == nullptr;
   message[kMessageSize - 1] = '\0';
-  std::string text = message;
-  return "jaxdecl: C kernel failed with status " + std::to_string(status) +
+  std::string text = message.data();
+  if (truncated) text += " [message truncated]";
+  return "C kernel failed with status " + std::to_string(status) +
          (text.empty() ? std::string() : ": " + text);
 }
 
-ffi::Error Dispatch(int64_t key, ffi::RemainingArgs args,
-                    ffi::RemainingRets rets) {
-  const Kernel* kernel = FindKernel(key);
-  std::string error;
-  if (kernel == nullptr) {
-    error = "jaxdecl: no kernel is registered under key " +
-            std::to_string(key) +
-            " (was this executable compiled in another process?)";
-  } else if (kernel->c_function != nullptr) {
-    std::vector<jaxdecl_buffer> inputs, outputs;
-    if (!Describe(args, &inputs) || !Describe(rets, &outputs)) {
-      error = "jaxdecl: an operand is not a buffer";
-    } else {
-      error = RunCKernel(kernel->c_function, inputs, outputs);
-    }
-  } else {
-    error = RunPythonKernelWithGil(*kernel, args, rets);
+std::string Hex(const Fingerprint& f) {
+  char text[33];
+  std::snprintf(text, sizeof(text), "%016llx%016llx",
+                static_cast<unsigned long long>(f.hi),
+                static_cast<unsigned long long>(f.lo));
+  return text;
+}
+
+std::string Run(KernelPtr kernel, const Fingerprint* refind,
+                ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  if (kernel->c_function == nullptr) {
+    if (!Py_IsInitialized()) return "jaxdecl: the Python interpreter is gone";
+    return RunPythonKernelWithGil(std::move(kernel), refind, args, rets);
   }
+  std::vector<jaxdecl_buffer> inputs, outputs;
+  if (!Describe(args, &inputs) || !Describe(rets, &outputs)) {
+    return "jaxdecl: an operand is not a buffer";
+  }
+  std::string error = RunCKernel(kernel->c_function, inputs, outputs);
+  return error.empty() ? error : kernel->name + ": " + error;
+}
+
+ffi::Error AsError(const std::string& error) {
   if (error.empty()) return ffi::Error::Success();
   return ffi::Error(ffi::ErrorCode::kInternal, error);
+}
+
+ffi::Error Dispatch(int64_t hi, int64_t lo, std::string_view name,
+                    ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  Fingerprint fingerprint{static_cast<uint64_t>(hi), static_cast<uint64_t>(lo)};
+  KernelPtr kernel = FindByFingerprint(fingerprint);
+  if (kernel == nullptr) {
+    return AsError(
+        "jaxdecl: " + std::string(name) + " (kernel " + Hex(fingerprint) +
+        ") is not available in this process. This executable was compiled, "
+        "cached or serialized where the op existed; create the op here and "
+        "call it once (or trace the function again), and keep it alive while "
+        "the executable runs");
+  }
+  return AsError(Run(std::move(kernel), &fingerprint, args, rets));
+}
+
+ffi::Error DispatchEager(ffi::AnyBuffer slot, ffi::RemainingArgs args,
+                         ffi::RemainingRets rets) {
+  int64_t key = -1;
+  if (slot.element_type() == ffi::DataType::S64) {
+    key = *static_cast<const int64_t*>(slot.untyped_data());
+  } else if (slot.element_type() == ffi::DataType::S32) {
+    key = *static_cast<const int32_t*>(slot.untyped_data());
+  }
+  KernelPtr kernel = FindBySlot(key);
+  if (kernel == nullptr) {
+    return AsError("jaxdecl: no kernel is registered in slot " +
+                   std::to_string(key));
+  }
+  return AsError(Run(std::move(kernel), nullptr, args, rets));
 }
 
 }  // namespace
@@ -319,21 +404,108 @@ ffi::Error Dispatch(int64_t key, ffi::RemainingArgs args,
 // Registry (registry.h)
 // ---------------------------------------------------------------------------
 
-int64_t RegisterKernel(const Kernel& kernel) {
-  std::lock_guard<std::mutex> lock(g_register_mutex);
-  int64_t key = g_next_key.load();
-  if (key >= kMaxKernels) return -1;
-  g_table[key].store(new Kernel(kernel), std::memory_order_release);
-  g_next_key.store(key + 1);
-  return key;
+bool Kernel::Alive() const {
+  if (instance_ref == nullptr) return true;
+#if PY_VERSION_HEX >= 0x030D0000
+  PyObject* instance = nullptr;
+  int found = PyWeakref_GetRef(instance_ref, &instance);
+  if (found < 0) PyErr_Clear();
+  Py_XDECREF(instance);
+  return found > 0;
+#else
+  return PyWeakref_GetObject(instance_ref) != Py_None;
+#endif
 }
 
-const Kernel* FindKernel(int64_t key) {
-  if (key <= 0 || key >= kMaxKernels) return nullptr;
-  return g_table[key].load(std::memory_order_acquire);
+Kernel::~Kernel() {
+  if (call == nullptr && on_escape == nullptr && keepalive == nullptr &&
+      instance_ref == nullptr) {
+    return;
+  }
+  if (!Py_IsInitialized()) return;  // at exit: nothing left to release
+  PyGILState_STATE gil = PyGILState_Ensure();
+  Py_XDECREF(call);
+  Py_XDECREF(on_escape);
+  Py_XDECREF(keepalive);
+  Py_XDECREF(instance_ref);
+  PyGILState_Release(gil);
 }
 
-int64_t KernelCount() { return g_next_key.load() - 1; }
+int64_t RegisterKernel(std::unique_ptr<Kernel> kernel) {
+  Registry& r = registry();
+  std::unique_lock<std::shared_mutex> lock(r.mutex);
+  int64_t slot;
+  if (!r.free_slots.empty()) {
+    slot = r.free_slots.back();
+    r.free_slots.pop_back();
+  } else {
+    slot = static_cast<int64_t>(r.slots.size());
+    r.slots.emplace_back();
+  }
+  r.by_fingerprint[kernel->fingerprint].push_back(slot);
+  r.slots[slot] = KernelPtr(kernel.release());
+  ++r.live;
+  return slot;
+}
+
+bool ReleaseKernel(int64_t slot) {
+  KernelPtr released;  // destroyed after the lock is let go
+  Registry& r = registry();
+  std::unique_lock<std::shared_mutex> lock(r.mutex);
+  if (slot <= 0 || slot >= static_cast<int64_t>(r.slots.size()) ||
+      r.slots[slot] == nullptr) {
+    return false;
+  }
+  released = std::move(r.slots[slot]);
+  r.slots[slot] = nullptr;
+  auto found = r.by_fingerprint.find(released->fingerprint);
+  if (found != r.by_fingerprint.end()) {
+    auto& list = found->second;
+    for (auto it = list.begin(); it != list.end(); ++it) {
+      if (*it == slot) {
+        list.erase(it);
+        break;
+      }
+    }
+    if (list.empty()) r.by_fingerprint.erase(found);
+  }
+  r.free_slots.push_back(slot);
+  --r.live;
+  lock.unlock();
+  return true;
+}
+
+KernelPtr FindBySlot(int64_t slot) {
+  Registry& r = registry();
+  std::shared_lock<std::shared_mutex> lock(r.mutex);
+  if (slot <= 0 || slot >= static_cast<int64_t>(r.slots.size())) return nullptr;
+  return r.slots[slot];
+}
+
+KernelPtr FindByFingerprint(const Fingerprint& fingerprint) {
+  Registry& r = registry();
+  std::shared_lock<std::shared_mutex> lock(r.mutex);
+  auto found = r.by_fingerprint.find(fingerprint);
+  if (found == r.by_fingerprint.end() || found->second.empty()) return nullptr;
+  return r.slots[found->second.back()];
+}
+
+KernelPtr FindLiveByFingerprint(const Fingerprint& fingerprint) {
+  Registry& r = registry();
+  std::shared_lock<std::shared_mutex> lock(r.mutex);
+  auto found = r.by_fingerprint.find(fingerprint);
+  if (found == r.by_fingerprint.end()) return nullptr;
+  for (auto it = found->second.rbegin(); it != found->second.rend(); ++it) {
+    if (r.slots[*it]->Alive()) return r.slots[*it];
+  }
+  return nullptr;
+}
+
+int64_t KernelCount() {
+  Registry& r = registry();
+  std::shared_lock<std::shared_mutex> lock(r.mutex);
+  return r.live;
+}
 
 bool Initialize() {
   PyObject* gc = PyImport_ImportModule("gc");
@@ -346,6 +518,12 @@ bool Initialize() {
 void SetDescr(int code, PyObject* descr) {
   Py_XDECREF(g_descrs[code]);
   g_descrs[code] = reinterpret_cast<PyArray_Descr*>(descr);
+}
+
+void SetCollect(PyObject* collect) {
+  Py_XINCREF(collect);
+  Py_XDECREF(g_gc_collect);
+  g_gc_collect = collect;
 }
 
 void SetWorkerHooks(PyObject* enter, PyObject* exit) {
@@ -398,6 +576,15 @@ std::string CallCKernel(jaxdecl_kernel function, PyObject* inputs,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxdeclDispatch, jaxdecl::Dispatch,
     ffi::Ffi::Bind()
-        .Attr<int64_t>("key")  // registry index of the kernel
-        .RemainingArgs()       // the rule's operands, in order
-        .RemainingRets());     // the rule's results, in order
+        .Attr<int64_t>("fingerprint_hi")  // which kernel: a stable fingerprint
+        .Attr<int64_t>("fingerprint_lo")
+        .Attr<std::string_view>("name")   // Class.method, for messages
+        .RemainingArgs()                  // the rule's operands, in order
+        .RemainingRets());                // the rule's results, in order
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxdeclDispatchEager, jaxdecl::DispatchEager,
+    ffi::Ffi::Bind()
+        .Arg<ffi::AnyBuffer>()  // the kernel's slot, an int32 or int64 scalar
+        .RemainingArgs()        // the rule's operands, in order
+        .RemainingRets());      // the rule's results, in order

@@ -7,6 +7,10 @@
 #include <numpy/arrayobject.h>
 
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
 
 #include "registry.h"
 #include "xla/ffi/api/ffi.h"
@@ -15,6 +19,7 @@ namespace py = pybind11;
 namespace ffi = xla::ffi;
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxdeclDispatch);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxdeclDispatchEager);
 
 namespace {
 
@@ -23,10 +28,12 @@ jaxdecl_kernel ToFunction(uintptr_t address) {
   return reinterpret_cast<jaxdecl_kernel>(address);
 }
 
-int64_t Register(jaxdecl::Kernel kernel) {
-  int64_t key = jaxdecl::RegisterKernel(kernel);
-  if (key < 0) throw std::runtime_error("jaxdecl: the kernel registry is full");
-  return key;
+std::unique_ptr<jaxdecl::Kernel> NewKernel(int64_t hi, int64_t lo,
+                                           std::string name) {
+  auto kernel = std::make_unique<jaxdecl::Kernel>();
+  kernel->fingerprint = {static_cast<uint64_t>(hi), static_cast<uint64_t>(lo)};
+  kernel->name = std::move(name);
+  return kernel;
 }
 
 py::dict ElementTypes() {
@@ -63,24 +70,38 @@ PYBIND11_MODULE(_dispatch, m) {
     py::dict targets;
     targets["jaxdecl_dispatch"] =
         py::capsule(reinterpret_cast<void*>(&JaxdeclDispatch));
+    targets["jaxdecl_dispatch_eager"] =
+        py::capsule(reinterpret_cast<void*>(&JaxdeclDispatchEager));
     return targets;
   }, "FFI targets to pass to jax.ffi.register_ffi_target (platform 'cpu').");
 
-  m.def("register_kernel", [](py::object call, py::object on_escape) {
-    jaxdecl::Kernel kernel;
-    kernel.call = call.release().ptr();  // owned for the process's lifetime
-    kernel.on_escape = on_escape.release().ptr();
-    return Register(kernel);
-  }, py::arg("call"), py::arg("on_escape"),
-        "Stores a Python host kernel for the process's lifetime; returns its key.");
+  m.def("register_kernel", [](int64_t hi, int64_t lo, std::string name,
+                              py::object call, py::object on_escape,
+                              py::object instance_ref) {
+    if (!instance_ref.is_none() && !PyWeakref_Check(instance_ref.ptr())) {
+      throw py::type_error("instance_ref must be a weak reference or None");
+    }
+    auto kernel = NewKernel(hi, lo, std::move(name));
+    kernel->call = call.release().ptr();
+    kernel->on_escape = on_escape.release().ptr();
+    if (!instance_ref.is_none()) kernel->instance_ref = instance_ref.release().ptr();
+    return jaxdecl::RegisterKernel(std::move(kernel));
+  }, py::arg("fingerprint_hi"), py::arg("fingerprint_lo"), py::arg("name"),
+        py::arg("call"), py::arg("on_escape"), py::arg("instance_ref"),
+        "Registers a Python host kernel until release_kernel; returns its slot.");
 
-  m.def("register_c_kernel", [](uintptr_t address, py::object keepalive) {
-    jaxdecl::Kernel kernel;
-    kernel.c_function = ToFunction(address);
-    kernel.keepalive = keepalive.release().ptr();
-    return Register(kernel);
-  }, py::arg("address"), py::arg("keepalive"),
-        "Stores a C kernel (jaxdecl.h) for the process's lifetime; returns its key.");
+  m.def("register_c_kernel", [](int64_t hi, int64_t lo, std::string name,
+                                uintptr_t address, py::object keepalive) {
+    auto kernel = NewKernel(hi, lo, std::move(name));
+    kernel->c_function = ToFunction(address);
+    kernel->keepalive = keepalive.release().ptr();
+    return jaxdecl::RegisterKernel(std::move(kernel));
+  }, py::arg("fingerprint_hi"), py::arg("fingerprint_lo"), py::arg("name"),
+        py::arg("address"), py::arg("keepalive"),
+        "Registers a C kernel (jaxdecl.h) until release_kernel; returns its slot.");
+
+  m.def("release_kernel", &jaxdecl::ReleaseKernel, py::arg("slot"),
+        "Drops a registration; False if the slot held none.");
 
   m.def("call_c_kernel", [](uintptr_t address, py::tuple inputs,
                             py::tuple outputs) -> py::object {
@@ -98,11 +119,15 @@ PYBIND11_MODULE(_dispatch, m) {
     jaxdecl::SetDescr(code, reinterpret_cast<PyObject*>(descr));
   }, py::arg("code"), py::arg("dtype"), "Maps an XLA element type code to a NumPy dtype.");
 
+  m.def("set_collect", [](py::object collect) { jaxdecl::SetCollect(collect.ptr()); },
+        py::arg("collect"),
+        "The callable run before an escaped view is reported (default gc.collect).");
+
   m.def("set_worker_hooks", [](py::object enter, py::object exit) {
     jaxdecl::SetWorkerHooks(enter.ptr(), exit.ptr());
   }, py::arg("enter"), py::arg("exit"),
         "Hooks run around kernels on XLA worker threads: enter() -> token, exit(token).");
 
   m.def("element_types", &ElementTypes, "XLA element type codes by NumPy dtype name.");
-  m.def("kernel_count", &jaxdecl::KernelCount, "How many kernels are registered.");
+  m.def("kernel_count", &jaxdecl::KernelCount, "How many kernels are registered now.");
 }

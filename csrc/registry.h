@@ -1,6 +1,12 @@
 // Shared between the FFI handler (handler.cc) and the Python module
-// (module.cc): the kernel registry and the dtype table.  Every function here
-// that touches Python objects must be called with the GIL held.
+// (module.cc): the kernel registry and the dtype table.
+//
+// A kernel is registered by Python for as long as something needs it (an op
+// that may be called, a compiled executable that holds it as a keep-alive)
+// and released when that owner goes; XLA finds it either by its fingerprint
+// (what compiled HLO carries: stable across processes, never an address or a
+// process-local counter) or by its slot (what the eager path passes at run
+// time, so that one compiled executable serves every op of one signature).
 
 #ifndef JAXDECL_CSRC_REGISTRY_H_
 #define JAXDECL_CSRC_REGISTRY_H_
@@ -8,37 +14,68 @@
 #include <Python.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "jaxdecl.h"
 
 namespace jaxdecl {
 
-// What XLA runs for one key: a Python host kernel, or a C kernel that runs
-// without the GIL.
+// 128 bits of a SHA-256 over the op's class, configuration, rule and shapes.
+struct Fingerprint {
+  uint64_t hi = 0;
+  uint64_t lo = 0;
+  bool operator==(const Fingerprint& other) const {
+    return hi == other.hi && lo == other.lo;
+  }
+};
+
+// What XLA runs: a Python host kernel, or a C kernel that runs without the
+// GIL.  Owns references to its Python objects; releasing them takes the GIL.
 struct Kernel {
+  Fingerprint fingerprint;
+  std::string name;                // Class.method (@kind), for messages
   PyObject* call = nullptr;        // kernel(inputs, outputs) -> None | str
-  PyObject* on_escape = nullptr;   // on_escape(is_output, index) -> str
+  PyObject* on_escape = nullptr;   // on_escape(is_output, index, error) -> str
   jaxdecl_kernel c_function = nullptr;
   PyObject* keepalive = nullptr;   // owner of c_function's code (capsule, ctypes)
+  PyObject* instance_ref = nullptr;  // weakref to the op the kernel calls, or null
+  // False once the op the kernel calls is gone.  GIL held.
+  bool Alive() const;
+  ~Kernel();
 };
+
+using KernelPtr = std::shared_ptr<const Kernel>;
 
 // Looks up what the handler needs from Python (gc.collect); false with a
 // Python error set on failure.  Called once, when the module is imported.
 bool Initialize();
 
-// Registers a kernel for the process's lifetime; returns its key (>= 1), or
-// -1 when the registry is full.  Keys are never reused: a compiled executable
-// may carry one for as long as the process lives.
-int64_t RegisterKernel(const Kernel& kernel);
+// Registers a kernel; returns its slot (>= 1).  Several registrations may
+// share one fingerprint (equal configurations); lookups by fingerprint find
+// the most recent live one.  GIL held.
+int64_t RegisterKernel(std::unique_ptr<Kernel> kernel);
 
-// The kernel under `key`, or nullptr.  Safe without the GIL.
-const Kernel* FindKernel(int64_t key);
+// Drops a registration; false if the slot is not registered.  The kernel is
+// destroyed once no running call holds it.  GIL held.
+bool ReleaseKernel(int64_t slot);
 
+// Safe without the GIL; nullptr when nothing is registered there.
+KernelPtr FindBySlot(int64_t slot);
+KernelPtr FindByFingerprint(const Fingerprint& fingerprint);
+
+// The most recent registration under `fingerprint` whose op is alive.  GIL held.
+KernelPtr FindLiveByFingerprint(const Fingerprint& fingerprint);
+
+// How many registrations are live.
 int64_t KernelCount();
 
 // NumPy dtype for an XLA element type code (a new reference), or nullptr.
 void SetDescr(int code, PyObject* descr);
+
+// Replaces the garbage collection run before an escape is reported (default:
+// gc.collect) with a callable that may also release stale references.
+void SetCollect(PyObject* collect);
 
 // Python callables run around kernels on XLA's worker threads.
 void SetWorkerHooks(PyObject* enter, PyObject* exit);

@@ -21,55 +21,24 @@ Example:
 
 import os as _os
 
+from . import _autodiff, _batching  # noqa: F401 - register their rules on the primitive
 from . import _compat as _compat
-from . import _primitive as _primitive  # registers the primitive with JAX
-from ._cfunction import CFunction as CFunction
-from ._cfunction import cfunction as cfunction
-from ._cfunction import include_dir as include_dir
-from ._check import check as check
+from ._cfunction import CFunction, cfunction, include_dir
+from ._check import check
 from ._declare import (
-    Primitive as Primitive,
-)
-from ._declare import (
-    PrimitiveMeta as PrimitiveMeta,
-)
-from ._declare import (
-    abstract as abstract,
-)
-from ._declare import (
-    adjoint as adjoint,
-)
-from ._declare import (
-    batch as batch,
-)
-from ._declare import (
-    forward as forward,
-)
-from ._declare import (
-    jvp as jvp,
-)
-from ._declare import (
-    primitive as primitive,
-)
-from ._declare import (
-    transpose as transpose,
-)
-from ._declare import (
-    vjp as vjp,
+    Primitive,
+    PrimitiveMeta,
+    abstract,
+    adjoint,
+    batch,
+    forward,
+    jvp,
+    primitive,
+    transpose,
+    vjp,
 )
 from ._dtypes import SUPPORTED as SUPPORTED_DTYPES
-from ._errors import (
-    BufferEscapeError as BufferEscapeError,
-)
-from ._errors import (
-    DeclarationError as DeclarationError,
-)
-from ._errors import (
-    MissingRuleError as MissingRuleError,
-)
-from ._errors import (
-    RuleError as RuleError,
-)
+from ._errors import BufferEscapeError, DeclarationError, MissingRuleError, RuleError
 
 __version__ = "0.1.0"
 

@@ -15,16 +15,11 @@ import jax
 import jax.numpy as jnp
 
 from . import _compat
-from ._errors import MissingRuleError
+from ._errors import MissingRuleError, missing_rule
 from ._layout import FORWARD, JVP, TRANSPOSE, TRANSPOSE_WRT, VJP
+from ._primitive import bind_rule, broadcast_vmapped, jaxdecl_p
 
 Zero = _compat.Zero
-
-
-def _bind(op, rule, operands, primals, batch, wrt=-1):
-    from ._primitive import jaxdecl_p
-
-    return jaxdecl_p.bind(*operands, op=op, rule=rule, wrt=wrt, primals=primals, batch=batch)
 
 
 def _is_zero(t) -> bool:
@@ -128,13 +123,11 @@ def jvp_rule(operands, tangents, *, op, rule, wrt, primals, batch):
         form = _second_order_form(op, rule, layout) if rule in (JVP, VJP) else None
         if form is None:
             raise _not_differentiable(op, rule if rule in (JVP, VJP) else JVP)
-        from ._batching import broadcast_vmapped
-
         evaluate = broadcast_vmapped(form, batch, len(operands))
         dense = [_compat.instantiate_zeros(t) if _is_zero(t) else t for t in tangents]
         return jax.jvp(lambda *a: evaluate(*a), list(operands), dense)
 
-    outs = _bind(op, rule, operands, **params)
+    outs = bind_rule(op, rule, operands, **params)
     out_avals = [o.aval for o in outs]
     float_mask = layout.float_out if rule == FORWARD else (True,) * len(outs)
     live = [k for k in slots if not _is_zero(tangents[k])]
@@ -145,13 +138,13 @@ def jvp_rule(operands, tangents, *, op, rule, wrt, primals, batch):
         args = list(operands)
         for k in slots:
             args[k] = _compat.instantiate_zeros(tangents[k])
-        terms = [_bind(op, rule, args, **params)]
+        terms = [bind_rule(op, rule, args, **params)]
     else:  # multilinear: one term per slot with a tangent
         terms = []
         for k in live:
             args = list(operands)
             args[k] = tangents[k]
-            terms.append(_bind(op, rule, args, **params))
+            terms.append(bind_rule(op, rule, args, **params))
     total = [sum(t[j] for t in terms[1:]) + terms[0][j] if len(terms) > 1 else terms[0][j]
              for j in range(len(outs))]
     tangents_out = [total[j] if float_mask[j] else _compat.float0_zero(out_avals[j])
@@ -168,19 +161,17 @@ def _jvp_nonlinear(op, layout, operands, tangents, primals, batch):
     diff = layout.diff_indices
     live = any(not _is_zero(tangents[i]) for i in diff)
     if not live or not any(layout.float_out):
-        outs = _bind(op, FORWARD, operands, primals, batch)
+        outs = bind_rule(op, FORWARD, operands, primals, batch)
         return outs, [_compat.float0_zero(o.aval) for o in outs]
     dxs = [_compat.instantiate_zeros(tangents[i]) for i in diff]
     inline = op.traceable(JVP)
     if inline is not None and "vjp" not in op.spec.rules:
         # JAX differentiates and transposes the traceable rule itself.
-        from ._batching import broadcast_vmapped
-
         tangent_outs = broadcast_vmapped(inline, batch, n + len(dxs))(*operands, *dxs)
     else:
         # Bound before the forward so that a missing @jvp fails before any rule runs.
-        tangent_outs = _bind(op, JVP, list(operands) + dxs, primals, batch)
-    outs = _bind(op, FORWARD, operands, primals, batch)
+        tangent_outs = bind_rule(op, JVP, list(operands) + dxs, primals, batch)
+    outs = bind_rule(op, FORWARD, operands, primals, batch)
     tangent_iter = iter(tangent_outs)
     return outs, [next(tangent_iter) if f else _compat.float0_zero(o.aval)
                   for f, o in zip(layout.float_out, outs)]
@@ -214,9 +205,7 @@ def transpose_rule(cts, *operands, op, rule, wrt, primals, batch):
         for k in undefined:
             out_cts[k] = Zero(operands[k].aval)
         return out_cts
-    from jax.interpreters import ad
-
-    float_cts = [ad.instantiate_zeros(c) for c in float_cts]
+    float_cts = [_compat.instantiate_zeros(c) for c in float_cts]
     params = dict(primals=primals, batch=batch)
 
     def defined(ks):
@@ -226,7 +215,7 @@ def transpose_rule(cts, *operands, op, rule, wrt, primals, batch):
         lead = [i for i in range(n) if not layout.diff[i]]
         if any(k in undefined for k in lead):
             raise ValueError(f"{spec.name}: a nondiff input cannot be transposed")
-        results = _bind(op, TRANSPOSE, defined(lead) + float_cts, **params)
+        results = bind_rule(op, TRANSPOSE, defined(lead) + float_cts, **params)
         for i, r in zip(layout.diff_indices, results):
             if i in undefined:
                 out_cts[i] = r
@@ -238,21 +227,17 @@ def transpose_rule(cts, *operands, op, rule, wrt, primals, batch):
             )
         i = undefined[0]
         others = [k for k in range(n) if k != i]
-        out_cts[i] = _bind(op, TRANSPOSE_WRT, defined(others) + float_cts, wrt=i, **params)[0]
+        out_cts[i] = bind_rule(op, TRANSPOSE_WRT, defined(others) + float_cts, wrt=i, **params)[0]
     elif rule == FORWARD:  # pragma: no cover - JAX only transposes linear equations
         raise ValueError(f"{spec.name} is not linear; its forward cannot be transposed")
     elif rule == JVP:
         xs = defined(range(n))
         inline = op.traceable(VJP)
         if inline is not None:
-            from ._batching import broadcast_vmapped
-
             results = broadcast_vmapped(inline, batch, n + len(float_cts))(*xs, *float_cts)
         elif "vjp" in spec.rules:
-            results = _bind(op, VJP, xs + float_cts, **params)
+            results = bind_rule(op, VJP, xs + float_cts, **params)
         else:
-            from ._op import missing_rule
-
             raise missing_rule(spec, VJP)
         for k, r in zip(range(n, len(operands)), results):
             out_cts[k] = r
@@ -260,14 +245,10 @@ def transpose_rule(cts, *operands, op, rule, wrt, primals, batch):
         xs = defined(range(n))
         inline = op.traceable(JVP)
         if inline is not None:
-            from ._batching import broadcast_vmapped
-
             results = broadcast_vmapped(inline, batch, n + len(float_cts))(*xs, *float_cts)
         elif "jvp" in spec.rules:
-            results = _bind(op, JVP, xs + float_cts, **params)
+            results = bind_rule(op, JVP, xs + float_cts, **params)
         else:
-            from ._op import missing_rule
-
             raise missing_rule(spec, JVP)
         for k, r in zip(range(n, len(operands)), results):
             out_cts[k] = r
@@ -278,7 +259,7 @@ def transpose_rule(cts, *operands, op, rule, wrt, primals, batch):
             args[i] = operands[position]
         for i, c in zip(layout.diff_indices, float_cts):
             args[i] = c
-        results = _bind(op, FORWARD, args, **params)
+        results = bind_rule(op, FORWARD, args, **params)
         float_results = [r for r, f in zip(results, layout.float_out) if f]
         for k, r in zip(range(len(lead), len(operands)), float_results):
             out_cts[k] = r
@@ -290,7 +271,7 @@ def transpose_rule(cts, *operands, op, rule, wrt, primals, batch):
             for position, i in enumerate(others):
                 args[i] = operands[position]
             args[wrt] = float_cts[0]
-            results = _bind(op, FORWARD, args, **params)
+            results = bind_rule(op, FORWARD, args, **params)
             float_results = [r for r, f in zip(results, layout.float_out) if f]
             for k, r in zip(range(n - 1, len(operands)), float_results):
                 if k in undefined:
@@ -304,9 +285,13 @@ def transpose_rule(cts, *operands, op, rule, wrt, primals, batch):
             args[wrt] = float_cts[0]
             rest = [args[i] for i in range(n) if i != j]
             cts_in = [operands[k] for k in range(n - 1, len(operands))]
-            out_cts[position] = _bind(op, TRANSPOSE_WRT, rest + cts_in, wrt=j, **params)[0]
+            out_cts[position] = bind_rule(op, TRANSPOSE_WRT, rest + cts_in, wrt=j, **params)[0]
         else:
             raise ValueError(f"{spec.name}: a multilinear transpose was transposed in "
                              f"{len(undefined)} operands at once")
     return [_fit(c, _operand_aval(operands[k])) if k in undefined else None
             for k, c in enumerate(out_cts)]
+
+
+_compat.ad.primitive_jvps[jaxdecl_p] = jvp_rule
+_compat.ad.primitive_transposes[jaxdecl_p] = transpose_rule

@@ -19,23 +19,9 @@ import jax.numpy as jnp
 
 from . import _compat
 from ._layout import FORWARD, TRANSPOSE
+from ._primitive import bind_rule, jaxdecl_p
 
 not_mapped = _compat.not_mapped
-
-
-def broadcast_vmapped(function, batch: tuple, n_operands: int):
-    """Applies a traceable rule to operands with leading (maybe size-1) batch dims."""
-    if not batch:
-        return function
-
-    def batched(*operands):
-        full = [jnp.broadcast_to(x, batch + tuple(x.shape[len(batch):])) for x in operands]
-        mapped = function
-        for _ in batch:
-            mapped = jax.vmap(mapped)
-        return mapped(*full)
-
-    return batched
 
 
 def _batch_size(args, dims) -> int:
@@ -52,12 +38,10 @@ def batch_rule(args, dims, *, op, rule, wrt, primals, batch):
         return _user_batch(op, args, dims)
     if user is not None and rule == TRANSPOSE:
         return _transpose_of_user_batch(op, args, dims, primals)
-    from ._autodiff import _bind
-
     size = _batch_size(args, dims)
     moved = [jnp.expand_dims(x, 0) if d is not_mapped else jnp.moveaxis(x, d, 0)
              for x, d in zip(args, dims)]
-    outs = _bind(op, rule, moved, primals, (size,) + batch, wrt=wrt)
+    outs = bind_rule(op, rule, moved, primals, (size,) + batch, wrt=wrt)
     return outs, [0] * len(outs)
 
 
@@ -116,3 +100,6 @@ def _transpose_of_user_batch(op, args, dims, primals):
                for i in diff]
     results = jax.linear_transpose(batched_forward, *structs)(cts)
     return list(results), [0] * len(results)
+
+
+_compat.batching.primitive_batchers[jaxdecl_p] = batch_rule

@@ -8,7 +8,7 @@ Everything version-specific is imported or shimmed here.
 from __future__ import annotations
 
 import jax
-from jax._src.dispatch import apply_primitive  # eager evaluation of a primitive
+from jax._src import core as _core
 from jax.interpreters import ad, batching, mlir
 
 try:  # jax >= 0.4.36
@@ -29,9 +29,33 @@ get_aval = jax.typeof
 __all__ = [
     "Primitive", "Zero", "UndefinedPrimal", "is_undefined_primal", "instantiate_zeros",
     "not_mapped", "Tracer", "JaxRuntimeError", "ad", "batching", "mlir",
-    "forbid_host_transfers", "restore_host_transfers", "float0_zero", "apply_primitive",
+    "forbid_host_transfers", "restore_host_transfers", "float0_zero", "tracing",
+    "hold_weakly_in_caches",
     "get_aval", "hide_frames",
 ]
+
+
+def tracing() -> bool:
+    """True while a JAX trace is active (jit, vmap, grad, scan, eval_shape, ...).
+
+    Arguments alone cannot tell: a constant passed to an op inside ``jit`` is
+    a NumPy array, yet the op must be staged into the trace, not run.
+    """
+    return not _core.trace_state_clean()
+
+
+def hold_weakly_in_caches(cls) -> None:
+    """Lets JAX's parameter-keyed caches (abstract evaluation) hold `cls` values weakly.
+
+    Primitive parameters are cache keys; held strongly, an op's parameter would
+    keep the op alive for as long as the cache remembers it.
+    """
+    try:
+        from jax._src import util
+
+        util.weakref_cache_key_types.add(cls)
+    except (ImportError, AttributeError):  # pragma: no cover - other jax versions
+        pass
 
 
 def float0_zero(aval) -> Zero:
@@ -54,6 +78,7 @@ def forbid_host_transfers():
 def restore_host_transfers(guard) -> None:
     """Undoes :func:`forbid_host_transfers`."""
     guard.__exit__(None, None, None)
+
 
 def hide_frames(path: str) -> None:
     """Leaves jaxdecl's own frames out of JAX's filtered tracebacks."""

@@ -47,6 +47,13 @@ def _make_decorator(kind: str, doc: str, *, traceable_ok: bool = False, wrt_ok: 
         def mark(fn):
             if not callable(fn):
                 raise TypeError(f"@jd.{kind} decorates a method, got {fn!r}")
+            existing = getattr(fn, _MARK, None)
+            if isinstance(existing, Rule) and (existing.kind, existing.wrt) != (kind, wrt):
+                raise DeclarationError(
+                    f"{existing.name} is already marked {_label(existing.kind, existing.wrt)}; a "
+                    f"method has one role, so {_label(kind, wrt)} cannot also apply. To use one "
+                    f"function for both, give the second role its own method that calls the first"
+                )
             setattr(fn, _MARK, Rule(kind, fn.__name__, fn, traceable, wrt, _takes_out(fn)))
             return fn
 
@@ -56,6 +63,10 @@ def _make_decorator(kind: str, doc: str, *, traceable_ok: bool = False, wrt_ok: 
     decorator.__qualname__ = kind
     decorator.__doc__ = doc
     return decorator
+
+
+def _label(kind: str, wrt: str | None) -> str:
+    return f"@jd.{kind}" + (f"(wrt={wrt!r})" if wrt is not None else "")
 
 
 def _takes_out(fn) -> bool:

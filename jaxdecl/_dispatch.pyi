@@ -6,18 +6,26 @@ from typing import Any
 def registrations() -> dict[str, Any]:
     """FFI targets (PyCapsules) to pass to jax.ffi.register_ffi_target on 'cpu'."""
 
-def register_kernel(call: Callable[[tuple, tuple], str | None],
-                    on_escape: Callable[[bool, int], str]) -> int:
-    """Stores a host kernel for the process's lifetime; returns its key (>= 1)."""
+def register_kernel(fingerprint_hi: int, fingerprint_lo: int, name: str,
+                    call: Callable[[tuple, tuple], str | None],
+                    on_escape: Callable[[bool, int, str | None], str]) -> int:
+    """Registers a host kernel until release_kernel; returns its slot (>= 1)."""
 
-def register_c_kernel(address: int, keepalive: Any) -> int:
-    """Stores a C kernel (jaxdecl.h) for the process's lifetime; returns its key."""
+def register_c_kernel(fingerprint_hi: int, fingerprint_lo: int, name: str, address: int,
+                      keepalive: Any) -> int:
+    """Registers a C kernel (jaxdecl.h) until release_kernel; returns its slot."""
+
+def release_kernel(slot: int) -> bool:
+    """Drops a registration; False if the slot held none."""
 
 def call_c_kernel(address: int, inputs: tuple, outputs: tuple) -> str | None:
     """Runs a C kernel on C-contiguous NumPy arrays; returns None or its error."""
 
 def set_dtype(code: int, dtype: Any) -> None:
     """Maps an XLA element type code to a NumPy dtype."""
+
+def set_collect(collect: Callable[[], Any]) -> None:
+    """The callable run before an escaped view is reported (default gc.collect)."""
 
 def set_worker_hooks(enter: Callable[[], Any], exit: Callable[[Any], None]) -> None:
     """Hooks run around kernels that execute on XLA worker threads."""
@@ -26,4 +34,4 @@ def element_types() -> dict[str, int]:
     """XLA element type codes by NumPy dtype name."""
 
 def kernel_count() -> int:
-    """How many host kernels are registered."""
+    """How many kernels are registered now."""

@@ -11,7 +11,9 @@ runtime error itself carries the type, message and traceback.
 from __future__ import annotations
 
 import collections
+import itertools
 import re
+import secrets
 import threading
 import traceback
 
@@ -34,14 +36,33 @@ class BufferEscapeError(RuntimeError):
     """A rule kept a reference to an XLA buffer view after it returned."""
 
 
-_MARK = "[jaxdecl error #{}]"
-_MARK_RE = re.compile(r"\[jaxdecl error #(\d+)\]")
+# The mark carries a per-process nonce so that text a rule happens to print
+# cannot pose as one, and it goes last in the message so that an inner op's
+# error quoted inside an outer rule's message never wins.
+_NONCE = secrets.token_hex(6)
+_MARK = "[jaxdecl error #{}:" + _NONCE + "]"
+_MARK_RE = re.compile(r"\[jaxdecl error #(\d+):" + _NONCE + r"\]")
 # Exceptions raised under a user's jit are never collected by an eager caller;
 # keep only the most recent ones.
 _KEEP = 256
 _pending: collections.OrderedDict[int, BaseException] = collections.OrderedDict()
 _lock = threading.Lock()
-_counter = 0
+_counter = itertools.count(1)
+
+
+def describe(exc: BaseException) -> str:
+    """``str(exc)``, or a placeholder when the exception's ``__str__`` itself fails."""
+    try:
+        return str(exc)
+    except BaseException:  # noqa: BLE001 - a broken __str__ must not hide the error
+        return f"<{type(exc).__qualname__} whose str() raised>"
+
+
+def _format(exc: BaseException) -> str:
+    try:
+        return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    except BaseException:  # noqa: BLE001
+        return f"{type(exc).__qualname__}: {describe(exc)}\n"
 
 
 def stash(exc: BaseException, context: str) -> str:
@@ -51,39 +72,68 @@ def stash(exc: BaseException, context: str) -> str:
     the message): its frames hold the rule's locals, among them views of XLA
     buffers that are freed after the call, and each frame holds its caller.
     """
-    global _counter
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    tb = _format(exc)
     _drop_tracebacks(exc)
     if hasattr(exc, "add_note"):  # Python >= 3.11
         exc.add_note(f"Raised inside {context}, called by XLA:\n{tb}")
+    number = next(_counter)
     with _lock:
-        _counter += 1
-        number = _counter
         _pending[number] = exc
         while len(_pending) > _KEEP:
             _pending.popitem(last=False)
     kind = type(exc).__qualname__
-    return f"{context} raised {kind}: {exc} {_MARK.format(number)}\n{tb}"
+    return f"{context} raised {kind}: {describe(exc)}\n{tb}{_MARK.format(number)}"
 
 
 def _drop_tracebacks(exc: BaseException) -> None:
     """Clears the traceback of `exc` and of every exception chained to it."""
-    pending, seen = [exc], set()
+    for current in chain_of(exc):
+        current.__traceback__ = None
+
+
+def chain_of(exc: BaseException) -> list:
+    """`exc` and every exception reachable through __cause__/__context__ (no cycles)."""
+    pending, seen, found = [exc], set(), []
     while pending:
         current = pending.pop()
         if current is None or id(current) in seen:
             continue
         seen.add(id(current))
-        current.__traceback__ = None
+        found.append(current)
         pending += [current.__cause__, current.__context__]
+    return found
 
 
-def reraise_original(error: BaseException) -> None:
-    """Re-raises the rule's exception that `error` (JAX's runtime error) carries, if any."""
-    match = _MARK_RE.search(str(error))
-    if match is None:
-        return
+def take_original(error: BaseException) -> BaseException | None:
+    """The rule's exception that `error` (JAX's runtime error) carries, if still kept."""
+    return forget(describe(error))
+
+
+def forget(message: str | None) -> BaseException | None:
+    """Removes (and returns) the exception that `message` marks, if still kept.
+
+    The last mark is the outermost rule's: marks of inner ops can only appear
+    before it, inside its message or traceback.
+    """
+    marks = _MARK_RE.findall(message) if message else ()
+    if not marks:
+        return None
     with _lock:
-        original = _pending.pop(int(match.group(1)), None)
-    if original is not None:
-        raise original from None
+        return _pending.pop(int(marks[-1]), None)
+
+
+def missing_rule(spec, rule: str) -> MissingRuleError:
+    """The error for a transformation whose rule (``"jvp"`` or ``"vjp"``) the class lacks."""
+    params = ", ".join(spec.params)
+    if rule == "jvp":
+        tangents = ", ".join("d" + p for p in spec.params)
+        return MissingRuleError(
+            f"{spec.name} has no @jvp: forward-mode differentiation (jax.jvp, jacfwd, "
+            f"evaluating a linearized function) needs one; add "
+            f"`@jd.jvp def push(self, {params}, {tangents})`"
+        )
+    return MissingRuleError(
+        f"{spec.name} has no @vjp: reverse-mode differentiation (grad, vjp, jacrev, "
+        f"linear_transpose) needs one; add `@jd.vjp def pull(self, {params}, ct)`, or make "
+        f"the @jvp traceable (`@jd.jvp(traceable=True)`) so JAX can transpose it"
+    )

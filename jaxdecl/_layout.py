@@ -85,7 +85,15 @@ def compute_layout(spec, instance, inputs: tuple) -> Layout:
                 f"{spec.name}.{rule.name} (@abstract) must return jax.ShapeDtypeStruct or a "
                 f"tuple of them; output {index} is {type(struct).__name__}"
             )
+        shape = getattr(struct, "shape", None)
+        if not all(isinstance(d, (int, np.integer)) and d >= 0 for d in shape or ()) or \
+                not isinstance(shape, (tuple, list)):
+            raise RuleError(
+                f"{spec.name}.{rule.name} (@abstract) returned shape {shape} for output {index}; "
+                f"every dimension must be a non-negative int (jaxdecl has no dynamic shapes)"
+            )
         shape, dtype = aval_of(struct)
+        shape = tuple(int(d) for d in shape)
         _dtypes.check_supported(dtype, f"{spec.name}.{rule.name} (@abstract) output {index}")
         outputs.append((shape, dtype))
     diff = tuple(

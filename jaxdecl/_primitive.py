@@ -1,9 +1,9 @@
-"""The JAX primitive every jaxdecl op binds, and the one place that wires it into JAX.
+"""The JAX primitive every jaxdecl op binds: abstract evaluation, lowering, eager impl.
 
 A single primitive, ``jaxdecl_call``, stands for every rule of every op; its
 parameters say which:
 
-- ``op``: the :class:`~jaxdecl._op.OpHandle` (class + configuration);
+- ``op``: the :class:`~jaxdecl._op.BoundOp` (class + configuration);
 - ``rule``: ``forward``, ``jvp``, ``vjp``, ``transpose`` or ``transpose_wrt``
   (operand orders in :mod:`jaxdecl._layout`);
 - ``wrt``: the input index of a multilinear ``transpose_wrt`` (else -1);
@@ -11,32 +11,70 @@ parameters say which:
 - ``batch``: leading batch dimensions every operand and result carries
   (operands may have size 1 there, broadcasting; results never do).
 
-Abstract evaluation, lowering, autodiff and batching are registered once,
-here, for all of them.
+This module depends on nothing above it. Differentiation and batching rules
+live in :mod:`jaxdecl._autodiff` and :mod:`jaxdecl._batching`, which register
+themselves on :data:`jaxdecl_p`.
+
+Example:
+    >>> import jax, jax.numpy as jnp, jaxdecl as jd
+    >>> class Neg(jd.Primitive):
+    ...     @jd.abstract
+    ...     def shapes(self, x):
+    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    ...     @jd.forward
+    ...     def apply(self, x):
+    ...         return -x
+    >>> str(jax.make_jaxpr(Neg())(jnp.ones(2))).count("jaxdecl_call")
+    1
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.core import ShapedArray
 
-from . import _autodiff, _batching, _compat, _errors, _runtime
+from . import _compat, _eager, _runtime
 
 jaxdecl_p = _compat.Primitive("jaxdecl_call")
 jaxdecl_p.multiple_results = True
 
 
-def _impl(*args, **params):
-    """Eager evaluation (e.g. inside an un-jitted jax.jvp): compile and run, blocking.
+def bind_rule(op, rule: str, operands, primals: tuple, batch: tuple, wrt: int = -1) -> list:
+    """Binds one rule of `op` on JAX values; returns its results."""
+    return jaxdecl_p.bind(*operands, op=op, rule=rule, wrt=wrt, primals=primals, batch=batch)
 
-    Blocks so that a rule's exception reaches the caller here, as itself.
-    """
-    try:
-        return jax.block_until_ready(_compat.apply_primitive(jaxdecl_p, *args, **params))
-    except _compat.JaxRuntimeError as error:
-        _errors.reraise_original(error)
-        raise
+
+def broadcast_vmapped(function, batch: tuple, n_operands: int):
+    """Applies a traceable rule to operands with leading (maybe size-1) batch dims."""
+    if not batch:
+        return function
+
+    def batched(*operands):
+        full = [jnp.broadcast_to(x, batch + tuple(x.shape[len(batch):])) for x in operands]
+        mapped = function
+        for _ in batch:
+            mapped = jax.vmap(mapped)
+        return mapped(*full)
+
+    return batched
+
+
+def _out_avals(op, rule, wrt, primals, batch) -> tuple:
+    io = op.rule_io(primals, rule, wrt)
+    return tuple((batch + tuple(shape), dtype) for shape, dtype in io.out_avals)
+
+
+def _impl(*args, op, rule, wrt, primals, batch):
+    """Eager evaluation (e.g. inside an un-jitted jax.jvp), through the shared executable."""
+    traceable = op.traceable(rule)
+    if traceable is not None:
+        return broadcast_vmapped(traceable, batch, len(args))(*args)
+    op.user_rule(rule, wrt)  # raises MissingRuleError before anything runs
+    in_shapes = tuple(tuple(np.shape(x)) for x in args)
+    kernel = op.kernel(rule, wrt, primals, batch, in_shapes)
+    return _eager.run(kernel, args, _out_avals(op, rule, wrt, primals, batch))
 
 
 def _abstract_eval(*avals, op, rule, wrt, primals, batch):
@@ -50,12 +88,17 @@ def _abstract_eval(*avals, op, rule, wrt, primals, batch):
 def _lowering(ctx, *args, op, rule, wrt, primals, batch):
     traceable = op.traceable(rule)
     if traceable is not None:
-        evaluate = _batching.broadcast_vmapped(traceable, batch, len(args))
+        evaluate = broadcast_vmapped(traceable, batch, len(args))
         return _compat.mlir.lower_fun(evaluate, multiple_results=True)(ctx, *args)
     op.user_rule(rule, wrt)  # raises MissingRuleError before anything runs
     in_shapes = tuple(tuple(aval.shape) for aval in ctx.avals_in)
-    key = op.kernel_key(rule, wrt, primals, batch, in_shapes)
-    return _ffi_lowering(ctx, *args, key=np.int64(key))
+    kernel = op.kernel(rule, wrt, primals, batch, in_shapes)
+    # The executable keeps the kernel, and the op instance it calls, for as
+    # long as it lives; the HLO names the kernel by fingerprint alone.
+    ctx.module_context.add_keepalive(_runtime.KeepAlive(kernel, kernel.instance()))
+    hi, lo = kernel.fingerprint
+    return _ffi_lowering(ctx, *args, fingerprint_hi=np.int64(hi), fingerprint_lo=np.int64(lo),
+                         name=kernel.name)
 
 
 _ffi_lowering = jax.ffi.ffi_lowering(_runtime.TARGET, has_side_effect=False)
@@ -63,6 +106,3 @@ _ffi_lowering = jax.ffi.ffi_lowering(_runtime.TARGET, has_side_effect=False)
 jaxdecl_p.def_impl(_impl)
 jaxdecl_p.def_abstract_eval(_abstract_eval)
 _compat.mlir.register_lowering(jaxdecl_p, _lowering, platform="cpu")
-_compat.ad.primitive_jvps[jaxdecl_p] = _autodiff.jvp_rule
-_compat.ad.primitive_transposes[jaxdecl_p] = _autodiff.transpose_rule
-_compat.batching.primitive_batchers[jaxdecl_p] = _batching.batch_rule

@@ -3,8 +3,14 @@
 A host kernel receives ``(inputs, outputs)``, two tuples of NumPy views of
 XLA's buffers, calls one user rule and returns None, or an error message that
 the dispatcher hands back to XLA. Kernels are built once per compiled shape
-and registered under an integer key (``jaxdecl._dispatch.register_kernel``);
-the key, not an object address, is what the HLO carries.
+and registered as a :class:`Kernel`, which owns the dispatcher's registration
+and releases it when dropped: the op's handle holds its kernels while the op
+lives, and every executable that runs one holds it (a lowering keep-alive) for
+as long as the executable lives.
+
+A kernel refers to its op instance weakly: the strong references go with
+whoever needs the kernel to run (an executable, an eager call), so that an
+op the user dropped is freed once nothing compiled refers to it.
 
 The per-call path is deliberately plain: a zero-copy rule is one Python call
 inside a ``try``; the return form adds one shape/dtype comparison and one copy
@@ -13,12 +19,19 @@ per output.
 
 from __future__ import annotations
 
+import bdb
+import gc
 import itertools
+import signal
+import sys
+import types
+import weakref
 
 import jax
 import numpy as np
 
 from . import _compat, _dispatch, _dtypes, _errors
+from ._cfunction import CFunction
 from ._errors import BufferEscapeError, RuleError
 from ._layout import RuleIO
 
@@ -33,12 +46,39 @@ def _setup_dispatcher() -> None:
     for name, code in _dispatch.element_types().items():
         _dispatch.set_dtype(code, _dtypes.numpy_dtype(name))
     _dispatch.set_worker_hooks(_compat.forbid_host_transfers, _compat.restore_host_transfers)
+    _dispatch.set_collect(_release_stale_references)
     for target, capsule in _dispatch.registrations().items():
         jax.ffi.register_ffi_target(target, capsule, platform="cpu")
     _DISPATCHER_READY = True
 
 
-TARGET = "jaxdecl_dispatch"
+def _release_stale_references() -> None:
+    """Run before an escaped view is reported: frees what only garbage still holds.
+
+    JAX's own reference cycles are collected. A debugger (pdb) that stopped
+    inside the rule keeps a snapshot of the rule's locals after ``continue``,
+    until it next stops; that snapshot is stale once the rule has returned, so
+    it is dropped, and a rule can be debugged without a false escape.
+    """
+    gc.collect()
+    for hook in (sys.gettrace(), _sigint_handler()):
+        debugger = getattr(hook, "__self__", None)
+        # Only a debugger that is not stopped now (curframe None): a live
+        # debugging session keeps its state.
+        if isinstance(debugger, bdb.Bdb) and getattr(debugger, "curframe", None) is None \
+                and isinstance(getattr(debugger, "curframe_locals", None), dict):
+            debugger.curframe_locals = {}
+
+
+def _sigint_handler():
+    try:
+        return signal.getsignal(signal.SIGINT)
+    except (ValueError, OSError):  # pragma: no cover - no signal support here
+        return None
+
+
+TARGET = "jaxdecl_dispatch"  # compiled HLO: the kernel named by its fingerprint
+EAGER_TARGET = "jaxdecl_dispatch_eager"  # eager path: the kernel's slot is operand 0
 
 _NESTED_JAX_HINT = (
     "it called JAX on one of XLA's worker threads (where the rule runs for large or "
@@ -98,18 +138,24 @@ def _broadcasts(shape, target, batch_rank: int) -> bool:
             and all(s in (1, t) for s, t in zip(shape[:batch_rank], target[:batch_rank])))
 
 
-def transpose_from_adjoint(function, zero_copy: bool, n_lead: int):
-    """Turns an adjoint rule A^H into the transpose conj(A^H(conj(ct)))."""
+def transpose_from_adjoint(function, zero_copy: bool, n_lead: int,
+                           takes_instance: bool = False):
+    """Turns an adjoint rule A^H into the transpose conj(A^H(conj(ct))).
+
+    `n_lead` leading operands (non-differentiable inputs) pass unchanged, after
+    the instance when `takes_instance` (see :func:`weak_binding`).
+    """
+    lead = n_lead + (1 if takes_instance else 0)
 
     def transpose(*args, out=None):
-        args = args[:n_lead] + tuple(np.conj(a) if np.iscomplexobj(a) else a
-                                     for a in args[n_lead:])
+        args = args[:lead] + tuple(np.conj(a) if np.iscomplexobj(a) else a
+                                   for a in args[lead:])
         if zero_copy:
-            function(*args, out=out)
+            result = function(*args, out=out)
             for o in (out if isinstance(out, tuple) else (out,)):
                 if np.iscomplexobj(o):
                     np.conjugate(o, out=o)
-            return None
+            return result
         result = function(*args)
         if isinstance(result, (tuple, list)):
             return tuple(np.conj(r) for r in result)
@@ -118,29 +164,45 @@ def transpose_from_adjoint(function, zero_copy: bool, n_lead: int):
     return transpose
 
 
+def _returned_value(context: str, value) -> RuleError:
+    return RuleError(
+        f"{context} takes `out` (the zero-copy form), so it must fill `out` and return "
+        f"None, but it returned a {type(value).__name__}. Write the result into out "
+        f"(e.g. `out[...] = result`), or drop the `out` parameter to return results instead"
+    )
+
+
+def _streams(x, count: int, nb: int, batched: bool):
+    """Per-element views of `x` along its `nb` flattened batch dims (or `x` repeated)."""
+    element_shape = x.shape[nb:]
+    if not batched:
+        return itertools.repeat(x.reshape(element_shape), count)
+    flat = x.reshape((count,) + element_shape)
+    if element_shape:
+        return flat  # iterating yields views: NumPy's cheapest way to make them
+    # Iterating a 1-d array yields scalars; indexing with an Ellipsis keeps a 0-d view.
+    return map(flat.__getitem__, zip(range(count), itertools.repeat(Ellipsis)))
+
+
 def _loop(function, element, zero_copy_single: bool, batch_shape: tuple, in_shapes,
-          out_element_shapes):
+          context: str):
     """Runs a rule once per batch element on views (``batch="loop"``).
 
     Fast path: when every operand is either batched in all batch dimensions or
-    in none, and no element is 0-d, the batch dimensions are flattened into
-    one (a reshape of a contiguous view) and the operands are iterated along
-    it, which is NumPy's cheapest way to produce views. Otherwise the index of
-    every operand for every element is computed once, here.
+    in none, the batch dimensions are flattened into one (a reshape of a
+    contiguous view) and the operands are streamed along it. Otherwise each
+    element's operand index is computed as it is needed. Nothing is kept per
+    element between calls.
     """
     nb = len(batch_shape)
     count = int(np.prod(batch_shape))
     full = [tuple(shape[:nb]) == tuple(batch_shape) for shape in in_shapes]
     none = [all(n == 1 for n in shape[:nb]) and not f for shape, f in zip(in_shapes, full)]
-    if all(f or n for f, n in zip(full, none)) and \
-            all(len(shape) > nb for shape in in_shapes) and \
-            all(len(shape) > 0 for shape in out_element_shapes):
+    if all(f or n for f, n in zip(full, none)):
 
         def streams(ins, outs):
-            operands = [x.reshape((count,) + x.shape[nb:]) if f else
-                        itertools.repeat(x.reshape(x.shape[nb:]), count)
-                        for x, f in zip(ins, full)]
-            results = [o.reshape((count,) + o.shape[nb:]) for o in outs]
+            operands = [_streams(x, count, nb, f) for x, f in zip(ins, full)]
+            results = [_streams(o, count, nb, True) for o in outs]
             return operands, results
 
         # Unpacking a variable number of operands per element costs as much as
@@ -149,46 +211,68 @@ def _loop(function, element, zero_copy_single: bool, batch_shape: tuple, in_shap
             def run(ins, outs):
                 (x1,), (out,) = streams(ins, outs)
                 for a, o in zip(x1, out):
-                    function(a, out=o)
+                    result = function(a, out=o)
+                    if result is not None:
+                        raise _returned_value(context, result)
         elif zero_copy_single and len(in_shapes) == 2:
             def run(ins, outs):
                 (x1, x2), (out,) = streams(ins, outs)
                 for a, b, o in zip(x1, x2, out):
-                    function(a, b, out=o)
-        elif zero_copy_single:
-            def run(ins, outs):
-                operands, (out,) = streams(ins, outs)
-                for xs, o in zip(zip(*operands), out):
-                    function(*xs, out=o)
+                    result = function(a, b, out=o)
+                    if result is not None:
+                        raise _returned_value(context, result)
         else:
             def run(ins, outs):
                 operands, results = streams(ins, outs)
+                if not operands:  # zero inputs: zip(*operands) would be empty
+                    operands = [itertools.repeat((), count)]
+                    for os in zip(*results):
+                        element((), os)
+                    return
                 for xs, os in zip(zip(*operands), zip(*results)):
                     element(xs, os)
         return run
 
-    plan = []
-    for index in itertools.product(*(range(n) for n in batch_shape)):
-        operand_index = tuple(
-            tuple(0 if shape[j] == 1 and batch_shape[j] != 1 else index[j]
-                  for j in range(nb)) + (Ellipsis,)
-            for shape in in_shapes)
-        plan.append((operand_index, index + (Ellipsis,)))
+    # Per operand and batch dim: does it broadcast there (size 1 in a wider batch)?
+    broadcast = [tuple(shape[j] == 1 and batch_shape[j] != 1 for j in range(nb))
+                 for shape in in_shapes]
 
     def run(ins, outs):
-        for operand_index, result_index in plan:
-            element([x[i] for x, i in zip(ins, operand_index)],
-                    [o[result_index] for o in outs])
+        for index in itertools.product(*(range(n) for n in batch_shape)):
+            operands = [x[tuple(0 if b else i for i, b in zip(index, flags)) + (Ellipsis,)]
+                        for x, flags in zip(ins, broadcast)]
+            element(operands, [o[index + (Ellipsis,)] for o in outs])
 
     return run
 
 
+def weak_binding(rule, instance):
+    """``(function, instance_ref)`` for calling `rule` on `instance` from a kernel.
+
+    With an instance_ref, the kernel calls ``function(instance_ref(), ...)``:
+    it keeps the op alive only through whoever holds it strongly (see the
+    module docstring). C kernels take no instance; an instance that cannot be
+    weakly referenced (``__slots__`` without ``__weakref__``) is bound strongly.
+    """
+    function = rule.function
+    if isinstance(function, CFunction):
+        return function, None
+    if isinstance(function, types.FunctionType):
+        try:
+            return function, weakref.ref(instance)
+        except TypeError:
+            pass
+    return rule.bind(instance), None
+
+
 def make_kernel(function, *, zero_copy: bool, io: RuleIO, context: str,
-                batch_shape: tuple = (), loop: bool = False, in_shapes: tuple = ()):
+                batch_shape: tuple = (), loop: bool = False, in_shapes: tuple = (),
+                instance_ref=None):
     """Builds the host kernel for one rule at one set of shapes.
 
     Args:
-      function: the rule, bound to the op instance.
+      function: the rule; called as ``function(instance_ref(), *args)`` when
+        `instance_ref` is given, else as ``function(*args)``.
       zero_copy: the rule fills a keyword-only ``out`` instead of returning.
       io: operand/result names and result avals (for messages and checks).
       context: ``Class.method (@kind)``, for messages.
@@ -196,20 +280,38 @@ def make_kernel(function, *, zero_copy: bool, io: RuleIO, context: str,
       loop: call the rule once per batch element (``batch="loop"``); otherwise
         the rule sees the whole batch (``batch="vectorized"``, or no batch).
       in_shapes: operand shapes (with batch dims), to index broadcast operands.
+      instance_ref: a weak reference to the op instance, or None.
 
     Returns:
-      ``(kernel, on_escape)`` for ``_dispatch.register_kernel``.
+      ``(kernel, on_escape)`` for :func:`register`.
     """
     stash = _errors.stash
     single = io.single_result
+    method, ref = function, instance_ref
+    if ref is not None:
+        def function(*args, **kwargs):
+            return method(ref(), *args, **kwargs)
 
-    if zero_copy:
+    if isinstance(method, CFunction):
+        # Looped C kernels fail as the direct ones do: with the kernel's message
+        # as the op's error (a JaxRuntimeError), not as a Python exception.
+        address = method.address
+
+        def element(ins, outs):
+            error = _dispatch.call_c_kernel(address, tuple(ins), tuple(outs))
+            if error is not None:
+                raise _KernelFailure(f"{context}: {error}")
+    elif zero_copy:
         if single:
             def element(ins, outs):
-                function(*ins, out=outs[0])
+                result = function(*ins, out=outs[0])
+                if result is not None:
+                    raise _returned_value(context, result)
         else:
             def element(ins, outs):
-                function(*ins, out=tuple(outs))
+                result = function(*ins, out=tuple(outs))
+                if result is not None:
+                    raise _returned_value(context, result)
     else:
         batch_rank = 0 if loop else len(batch_shape)
 
@@ -217,52 +319,196 @@ def make_kernel(function, *, zero_copy: bool, io: RuleIO, context: str,
             _store(function(*ins), outs, io, context, batch_rank)
 
     if loop and batch_shape:
-        run = _loop(function, element, zero_copy and single, batch_shape, in_shapes,
-                    [shape for shape, _ in io.out_avals])
+        run = _loop(function, element, zero_copy and single and not isinstance(method, CFunction),
+                    batch_shape, in_shapes, context)
     else:
         run = element
 
-    def fail(exc: BaseException) -> str:
-        # The reported traceback starts at the rule, not at this wrapper.
-        exc.__traceback__ = exc.__traceback__.tb_next
+    def fail(exc: BaseException, ins, outs) -> str:
+        if isinstance(exc, _KernelFailure):
+            return str(exc)
+        # The reported traceback starts at the rule, not at jaxdecl's wrappers.
+        tb = exc.__traceback__
+        while tb.tb_next is not None and tb.tb_frame.f_code.co_filename == __file__:
+            tb = tb.tb_next
+        exc.__traceback__ = tb
+        _detach_views(exc, ins + outs)
         return stash(_explain(exc, context), context)
 
-    if run is element and zero_copy and single:
+    if run is element and zero_copy and single and not isinstance(method, CFunction):
         # The hot path of an unbatched zero-copy rule: one Python frame of ours.
-        def kernel(ins, outs):
-            try:
-                function(*ins, out=outs[0])
-            except BaseException as exc:  # noqa: BLE001 - every error goes back to XLA
-                return fail(exc)
-            return None
+        if ref is None:
+            def kernel(ins, outs):
+                try:
+                    result = method(*ins, out=outs[0])
+                    if result is not None:
+                        raise _returned_value(context, result)
+                except BaseException as exc:  # noqa: BLE001 - every error goes back to XLA
+                    return fail(exc, ins, outs)
+                return None
+        else:
+            def kernel(ins, outs):
+                try:
+                    result = method(ref(), *ins, out=outs[0])
+                    if result is not None:
+                        raise _returned_value(context, result)
+                except BaseException as exc:  # noqa: BLE001 - every error goes back to XLA
+                    return fail(exc, ins, outs)
+                return None
     else:
         def kernel(ins, outs):
             try:
                 run(ins, outs)
             except BaseException as exc:  # noqa: BLE001 - every error goes back to XLA
-                return fail(exc)
+                return fail(exc, ins, outs)
             return None
 
-    def on_escape(is_output: bool, index: int) -> str:
+    def on_escape(is_output: bool, index: int, pending: str | None) -> str:
         names = io.out_names if is_output else io.in_names
         what = names[index] if index < len(names) else "its arguments tuple"
+        # The rule's own exception (if any) may be what holds the view: it must
+        # not reach the caller, so only its text goes into this error.
+        original = _errors.forget(pending)
+        carried = ""
+        if original is not None:
+            carried = (f" It raised {type(original).__qualname__}: "
+                       f"{_errors.describe(original)}, and the exception carries the view "
+                       f"(copy arrays you attach to an exception).")
+        elif pending:
+            carried = f" It also failed: {pending.splitlines()[0] if pending else ''}"
         error = BufferEscapeError(
             f"{context} kept a reference to {what} after returning. The array is a view of "
             f"XLA's buffer, which XLA frees or reuses after the call; copy what you keep "
-            f"(np.array(x))."
+            f"(np.array(x)).{carried}"
         )
         return stash(error, context)
 
     return kernel, on_escape
 
 
-def register(kernel, on_escape) -> int:
-    """Keeps `kernel` for the process's lifetime; returns its dispatcher key."""
+class _KernelFailure(Exception):
+    """A C kernel's failure inside a looped call: its message is the op's error."""
+
+
+def _detach_views(exc: BaseException, views: tuple) -> None:
+    """Replaces arrays on `views` that the exception (or its chain) carries by copies.
+
+    A rule that raises ``NotConverged(residual=out)`` hands the caller an
+    exception that outlives XLA's buffers; a copy is what the caller can use.
+    Arguments, attributes, and lists/tuples/dicts among them are searched.
+    """
+    roots = {id(v) for v in views}
+
+    def on_buffer(value) -> bool:
+        base = value
+        while isinstance(base, np.ndarray):
+            if id(base) in roots:
+                return True
+            base = base.base
+        return any(np.may_share_memory(value, v) for v in views)
+
+    copies: dict = {}  # one copy per array, however many places carry it
+
+    def detach(value, depth=0):
+        if isinstance(value, np.ndarray):
+            if id(value) not in copies:
+                copies[id(value)] = np.array(value) if on_buffer(value) else value
+            return copies[id(value)]
+        if depth > 4:
+            return value
+        if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+            detached = [detach(v, depth + 1) for v in value]
+            if any(a is not b for a, b in zip(detached, value)):
+                return type(value)(detached)
+            return value
+        if type(value) is dict:
+            detached = {k: detach(v, depth + 1) for k, v in value.items()}
+            if any(detached[k] is not value[k] for k in value):
+                return detached
+            return value
+        return value
+
+    for current in _errors.chain_of(exc):
+        try:
+            current.args = tuple(detach(a) for a in current.args)
+            for name, value in list(vars(current).items()):
+                detached = detach(value)
+                if detached is not value:
+                    setattr(current, name, detached)
+        except Exception:  # noqa: BLE001, S110 - an exotic exception keeps its state;
+            pass           # the escape check still catches what remains
+
+
+class Kernel:
+    """A registered kernel: owns its dispatcher slot and releases it when dropped.
+
+    `slot` is what the eager path passes at run time; `fingerprint` is what
+    compiled HLO names it by.
+    """
+
+    __slots__ = ("slot", "fingerprint", "name", "instance_ref", "_slot_operand", "__weakref__")
+
+    def __init__(self, slot: int, fingerprint: tuple, name: str, instance_ref):
+        self.slot = slot
+        self.fingerprint = fingerprint
+        self.name = name
+        self.instance_ref = instance_ref
+        self._slot_operand = None
+
+    def slot_operand(self):
+        """The slot as a device scalar, made once: a host scalar would cost a
+        transfer per eager call. Uncommitted, so it follows the other operands'
+        device."""
+        if self._slot_operand is None:
+            self._slot_operand = jax.numpy.asarray(np.int32(self.slot))
+        return self._slot_operand
+
+    def alive(self) -> bool:
+        """False once the op instance the kernel calls is gone."""
+        return self.instance_ref is None or self.instance_ref() is not None
+
+    def instance(self):
+        """The op instance the kernel calls (None for C kernels)."""
+        return None if self.instance_ref is None else self.instance_ref()
+
+    def __del__(self):
+        release = getattr(_dispatch, "release_kernel", None)  # None at interpreter exit
+        if release is not None:
+            release(self.slot)
+
+    def __repr__(self) -> str:
+        return f"<jaxdecl kernel {self.name} slot {self.slot}>"
+
+
+class KeepAlive:
+    """What an executable holds while it lives: a kernel and the op instance it calls.
+
+    Pickles to nothing (``jax.experimental.serialize_executable`` pickles an
+    executable's keep-alives): a loaded executable finds its kernels by
+    fingerprint in the process that runs it.
+    """
+
+    __slots__ = ("kernel", "instance")
+
+    def __init__(self, kernel: Kernel | None, instance=None):
+        self.kernel = kernel
+        self.instance = instance
+
+    def __reduce__(self):
+        return (KeepAlive, (None, None))
+
+
+def register(fingerprint: tuple, name: str, kernel, on_escape, instance_ref) -> Kernel:
+    """Registers a host kernel; it stays registered while the returned Kernel lives."""
     _setup_dispatcher()
-    return _dispatch.register_kernel(kernel, on_escape)
+    hi, lo = fingerprint
+    slot = _dispatch.register_kernel(hi, lo, name, kernel, on_escape, instance_ref)
+    return Kernel(slot, fingerprint, name, instance_ref)
 
 
-def register_c(function) -> int:
+def register_c(fingerprint: tuple, name: str, function: CFunction) -> Kernel:
     """Registers a :class:`~jaxdecl.CFunction`; XLA calls it without the GIL."""
     _setup_dispatcher()
-    return function.register()
+    hi, lo = fingerprint
+    slot = _dispatch.register_c_kernel(hi, lo, name, function.address, function.keepalive)
+    return Kernel(slot, fingerprint, name, None)

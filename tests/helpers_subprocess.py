@@ -172,7 +172,111 @@ class _Shift(jd.Primitive):
         return x + self.shift
 
 
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class _Table(jd.Primitive):
+    """Holds an array in its configuration: keyed by identity, as nifty.re models are."""
+
+    def __init__(self, table):
+        self.table = table
+
+    @jd.abstract
+    def shapes(self, x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x, *, out):
+        np.add(x, self.table[: x.size].reshape(x.shape), out=out)
+
+
+def churn(eager: int, jitted: int) -> list:
+    """Creates, calls and drops identity-keyed ops; reports RSS growth (MB) and leftovers.
+
+    Each op is checked against NumPy (a reused id or slot must never run another
+    op's table). Returns [growth_mb, ops_still_alive, kernels_left, wrong].
+    """
+    import gc
+    import weakref
+
+    from jaxdecl import _dispatch
+
+    x = jnp.arange(4.0)
+    wrong = 0
+
+    def cycle(i, jit):
+        nonlocal wrong
+        op = _Table(np.full(1000, float(i)))
+        result = (jax.jit(lambda v: op(v)) if jit else op)(x)
+        if not np.array_equal(np.asarray(result), np.arange(4.0) + i):
+            wrong += 1
+        return weakref.ref(op)
+
+    for i in range(50):  # warm up: the shared eager executable, JAX's own caches
+        cycle(i, False)
+        cycle(i, True)
+    gc.collect()
+    kernels, rss = _dispatch.kernel_count(), _rss_mb()
+    refs = [cycle(i, False) for i in range(eager)]
+    refs += [cycle(i, True) for i in range(jitted)]
+    gc.collect()
+    alive = sum(ref() is not None for ref in refs)
+    return [_rss_mb() - rss, alive, _dispatch.kernel_count() - kernels, wrong]
+
+
+def _seeded_op():
+    """An op whose class is importable by name in any process (for serialized code)."""
+    return _Shift(2.0)
+
+
+def serialize(path: str) -> list:
+    """Compiles jit(_Shift(2.0)) and writes the serialized executable to `path`."""
+    import pickle
+
+    from jax.experimental import serialize_executable
+
+    compiled = jax.jit(lambda v: _seeded_op()(v)).lower(jnp.arange(4.0)).compile()
+    with open(path, "wb") as file:
+        pickle.dump(serialize_executable.serialize(compiled), file)
+    return ["ok"]
+
+
+def run_serialized(path: str, prepare: str) -> list:
+    """Loads `path` and runs it after registering other ops ("other") or the same op ("same")."""
+    import pickle
+
+    from jax.experimental import serialize_executable
+
+    x = jnp.arange(4.0)
+    # Other ops first, so that any process-local numbering differs from the writer's.
+    for i in range(5):
+        _Table(np.full(8, -float(i)))(x)
+        _Shift(-float(i))(x)
+    op = _seeded_op() if prepare == "same" else None  # alive while the executable runs
+    if op is not None:
+        op(x)
+    with open(path, "rb") as file:
+        payload, in_tree, out_tree = pickle.load(file)
+    compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+    return [_outcome(lambda: compiled(x), np.arange(4.0) + 2.0)]
+
+
+def hlo_text(order: str) -> list:
+    """The HLO of jit(_Shift(2.0)) after using other ops in `order` ("none" or "many")."""
+    x = jnp.arange(4.0)
+    if order == "many":
+        for i in range(7):
+            jax.jit(lambda v, i=i: _Shift(float(i))(v))(x)
+    return [jax.jit(lambda v: _seeded_op()(v)).lower(x).as_text()]
+
+
 SCENARIOS = {
+    "churn": churn,
+    "serialize": serialize,
+    "run_serialized": run_serialized,
+    "hlo_text": hlo_text,
     "x64_off": x64_off,
     "reentrant_threads": reentrant_threads,
     "reentrant_shard_map": reentrant_shard_map,

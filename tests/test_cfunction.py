@@ -35,6 +35,15 @@ SOURCE = textwrap.dedent(r"""
       return 0;
     }
 
+    /* Fails with a message of 5000 characters ending in "END". */
+    int verbose(const jaxdecl_buffer* in, int64_t nin, const jaxdecl_buffer* out,
+                int64_t nout, char* message, int64_t message_size) {
+      int64_t n = 0;
+      for (; n < 4997 && n < message_size - 4; ++n) message[n] = 'a' + n % 26;
+      snprintf(message + n, message_size - n, "END");
+      return 7;
+    }
+
     /* Records the data pointers it was given (zero-copy check). */
     void* seen[2];
     int record(const jaxdecl_buffer* in, int64_t nin, const jaxdecl_buffer* out,
@@ -123,3 +132,31 @@ def test_abstract_cannot_be_c(library):
         class Bad(jd.Primitive):
             shapes = jd.abstract(jd.cfunction(library.twice, keepalive=library))
             apply = jd.forward(jd.cfunction(library.twice, keepalive=library))
+
+
+@pytest.fixture
+def Verbose(library):
+    class Verbose(jd.Primitive):
+        @jd.abstract
+        def shapes(self, x):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+        apply = jd.forward(jd.cfunction(library.verbose, keepalive=library))
+
+    return Verbose
+
+
+def test_long_error_message_arrives_whole(Verbose):
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"status 7: abc.{4990,}END") as info:
+        Verbose()(jnp.ones(2))
+    assert "Verbose.verbose (@forward)" in str(info.value)
+
+
+@pytest.mark.parametrize("how", ["eager", "jit", "vmap", "jit_vmap"])
+def test_error_is_the_same_in_every_context(Verbose, how):
+    f = {"eager": Verbose(), "jit": jax.jit(Verbose()), "vmap": jax.vmap(Verbose()),
+         "jit_vmap": jax.jit(jax.vmap(Verbose()))}[how]
+    x = jnp.ones((2, 3)) if "vmap" in how else jnp.ones(3)
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"Verbose\.verbose \(@forward\): C kernel "
+                                                         r"failed with status 7: abc"):
+        jax.block_until_ready(f(x))

@@ -459,3 +459,54 @@ def test_same_attributes_different_classes_do_not_share():
     Counted1, _ = _counting_class()
     Counted2, _ = _counting_class()
     assert handle_of(Counted1(2.0)) is not handle_of(Counted2(2.0))
+
+
+def test_one_method_cannot_take_two_roles():
+    with pytest.raises(jd.DeclarationError, match=r"push is already marked @jd.jvp; a method "
+                                                   r"has one role, so @jd.vjp"):
+        class Both(jd.Primitive):
+            @jd.abstract
+            def shapes(self, x):
+                return _same(x)
+
+            @jd.forward
+            def apply(self, x):
+                return x
+
+            @jd.vjp
+            @jd.jvp
+            def push(self, x, t):
+                return t
+
+
+def test_negative_dimension_in_abstract_names_the_rule():
+    class Dynamic(jd.Primitive):
+        @jd.abstract
+        def shapes(self, x):
+            return jax.ShapeDtypeStruct((-1,), x.dtype)
+
+        @jd.forward
+        def apply(self, x):
+            return x
+
+    with pytest.raises(jd.RuleError, match=r"Dynamic\.shapes \(@abstract\) returned shape "
+                                           r"\(-1,\) for output 0.*non-negative int"):
+        Dynamic()(jnp.ones(3))
+
+
+@pytest.mark.parametrize("value", [None, "fast", print, {"a": object()}])
+@pytest.mark.parametrize("jit", [False, True])
+def test_non_array_input_names_the_op_and_input(value, jit):
+    class Same(jd.Primitive):
+        @jd.abstract
+        def shapes(self, x, flag):
+            return _same(x)
+
+        @jd.forward
+        def apply(self, x, flag):
+            return x
+
+    f = jax.jit(lambda x: Same()(x, value)) if jit else (lambda x: Same()(x, value))
+    with pytest.raises(TypeError, match=r"Same: input 'flag' is a .*not an array.*belongs on "
+                                        r"the instance"):
+        f(jnp.ones(2))

@@ -205,3 +205,214 @@ def test_copies_may_be_kept():
     np.testing.assert_array_equal(Copies()(jnp.arange(3.0)), -np.arange(3.0))
     np.testing.assert_array_equal(kept[0], np.arange(3.0))
     assert kept[1] == 0.0
+
+
+# ---------------------------------------------------------------------------
+# Exceptions that tell the truth
+# ---------------------------------------------------------------------------
+
+
+class NotConverged(Exception):
+    """A solver's error that carries its residual."""
+
+    def __init__(self, message, residual=None):
+        super().__init__(message, residual)
+        self.residual = residual
+
+
+class Solver(jd.Primitive):
+    """Writes x * 2 into out, then raises with the output attached as `how` says."""
+
+    def __init__(self, how):
+        self.how = how
+
+    @jd.abstract
+    def shapes(self, x):
+        return _same(x)
+
+    @jd.forward
+    def apply(self, x, *, out):
+        np.multiply(x, 2, out=out)
+        if self.how == "arg":
+            raise NotConverged("stalled", out)
+        if self.how == "nested":
+            raise NotConverged("stalled", [{"r": out[1:]}])
+        if self.how == "attribute":
+            error = NotConverged("stalled")
+            error.history = (out,)
+            raise error
+        if self.how == "opaque":
+            raise NotConverged("stalled", Holder(out))
+
+
+class Holder:
+    def __init__(self, value):
+        self.value = value
+
+
+@pytest.mark.parametrize("size", [5, 2**19])  # 4 MB: a dangling view of it used to crash
+def test_exception_carrying_its_output_gets_a_copy(size):
+    x = jnp.arange(float(size))
+    with pytest.raises(NotConverged, match="stalled") as info:
+        Solver("arg")(x)
+    residual = info.value.residual
+    assert info.value.args[1] is residual
+    assert residual.flags.owndata
+    expected = 2 * np.arange(float(size))
+    np.testing.assert_array_equal(residual, expected)
+    for _ in range(3):  # XLA reuses the freed memory: the copy must not change
+        Boom(False)(jnp.full(size, 7.0))
+    np.testing.assert_array_equal(residual, expected)
+
+
+@pytest.mark.parametrize("how", ["nested", "attribute"])
+def test_exception_carrying_views_in_containers_gets_copies(how):
+    with pytest.raises(NotConverged) as info:
+        Solver(how)(jnp.arange(4.0))
+    if how == "nested":
+        carried = info.value.args[1][0]["r"]
+        np.testing.assert_array_equal(carried, [2.0, 4.0, 6.0])
+    else:
+        carried = info.value.history[0]
+        np.testing.assert_array_equal(carried, [0.0, 2.0, 4.0, 6.0])
+    assert carried.base is None or carried.base.flags.owndata
+
+
+def test_exception_carrying_a_view_out_of_reach_becomes_escape_error():
+    with pytest.raises(jd.BufferEscapeError, match=r"Solver\.apply \(@forward\) kept a "
+                                                   r"reference to output.*NotConverged: "):
+        Solver("opaque")(jnp.arange(4.0))
+    np.testing.assert_array_equal(Solver(None)(jnp.arange(4.0)), 2 * np.arange(4.0))
+
+
+def test_exception_carrying_a_view_under_jit():
+    with pytest.raises(JaxRuntimeError, match=r"NotConverged: \('stalled'"):
+        jax.block_until_ready(jax.jit(Solver("arg"))(jnp.arange(4.0)))
+
+
+class ReturnsInstead(jd.Primitive):
+    @jd.abstract
+    def shapes(self, x):
+        return _same(x)
+
+    @jd.forward
+    def apply(self, x, *, out):
+        return 2 * x  # forgets to fill out
+
+
+RETURNED = r"ReturnsInstead\.apply \(@forward\) takes `out`.*must fill `out` and return None"
+
+
+@pytest.mark.parametrize("how", ["eager", "jit", "vmap"])
+def test_zero_copy_rule_returning_a_value_is_an_error(how):
+    x = jnp.arange(3.0)
+    f = {"eager": ReturnsInstead(), "jit": jax.jit(ReturnsInstead()),
+         "vmap": jax.vmap(ReturnsInstead())}[how]
+    error = JaxRuntimeError if how == "jit" else jd.RuleError
+    with pytest.raises(error, match=RETURNED):
+        jax.block_until_ready(f(x if how != "vmap" else jnp.ones((2, 3))))
+
+
+class Outer(jd.Primitive):
+    """Calls another op that fails, and reports the failure its own way."""
+
+    def __init__(self, how):
+        self.how = how
+
+    @jd.abstract
+    def shapes(self, x):
+        return _same(x)
+
+    @jd.forward
+    def apply(self, x):
+        try:
+            Boom(True)(np.array(x))
+        except KeyError as error:
+            if self.how == "from":
+                raise RuntimeError("outer failed") from error
+            raise RuntimeError(f"outer failed after {error!r}") from None
+        return x
+
+
+def test_outer_rule_error_wins_over_the_inner_one():
+    with pytest.raises(RuntimeError, match="outer failed after KeyError") as info:
+        Outer("text")(jnp.ones(2))
+    assert type(info.value) is RuntimeError
+
+
+def test_raise_from_keeps_the_cause():
+    with pytest.raises(RuntimeError, match="outer failed") as info:
+        Outer("from")(jnp.ones(2))
+    assert isinstance(info.value.__cause__, KeyError)
+    assert info.value.__cause__.args == ("boom",)
+
+
+class Says(jd.Primitive):
+    def __init__(self, error):
+        self.error = error
+
+    @jd.abstract
+    def shapes(self, x):
+        return _same(x)
+
+    @jd.forward
+    def apply(self, x):
+        raise self.error
+
+
+class Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no str for you")
+
+
+def test_message_that_looks_like_an_error_mark_is_delivered_as_itself():
+    with pytest.raises(ValueError, match=r"see \[jaxdecl error #1\]"):
+        Says(ValueError("see [jaxdecl error #1] and [jaxdecl error #2]"))(jnp.ones(2))
+
+
+def test_exception_whose_str_raises_is_delivered_as_itself():
+    with pytest.raises(Unprintable):
+        Says(Unprintable())(jnp.ones(2))
+    with pytest.raises(JaxRuntimeError, match="Unprintable"):
+        jax.block_until_ready(jax.jit(Says(Unprintable()))(jnp.ones(2)))
+
+
+# ---------------------------------------------------------------------------
+# No false escapes
+# ---------------------------------------------------------------------------
+
+
+class Constant(jd.Primitive):
+    """Zero inputs: the rule's arguments tuple is Python's shared empty tuple."""
+
+    @jd.abstract
+    def shapes(self):
+        return jax.ShapeDtypeStruct((3,), np.float32)
+
+    @jd.forward
+    def apply(self, *, out):
+        out[...] = np.arange(3)
+
+
+def test_zero_input_rule_is_not_an_escape():
+    np.testing.assert_array_equal(Constant()(), np.arange(3.0))
+    np.testing.assert_array_equal(jax.jit(Constant())(), np.arange(3.0))
+
+
+def test_rule_can_be_debugged_with_pdb():
+    import io
+    import pdb
+
+    class Debugged(jd.Primitive):
+        @jd.abstract
+        def shapes(self, x):
+            return _same(x)
+
+        @jd.forward
+        def apply(self, x, *, out):
+            # What `breakpoint()` followed by `p x` and `c` does at a terminal.
+            pdb.Pdb(stdin=io.StringIO("p x\nc\n"), stdout=io.StringIO()).set_trace()
+            np.negative(x, out=out)
+
+    np.testing.assert_array_equal(Debugged()(jnp.arange(3.0)), -np.arange(3.0))
+    np.testing.assert_array_equal(jax.jit(Debugged())(jnp.arange(3.0)), -np.arange(3.0))

@@ -1,0 +1,99 @@
+"""The eager path: one compiled executable per signature, shared by every op.
+
+An op called outside any trace must not compile anew for each op instance (a
+loop that builds a fresh identity-keyed op per iteration would compile each
+time, and every executable would keep its op alive). So the eager executable
+does not name its kernel: the kernel's registry slot arrives as an extra
+scalar operand (``jaxdecl_dispatch_eager``), and one executable per
+(operand, result) signature serves every op and rule. The kernel is held by
+the caller for the duration of the call, which blocks.
+
+Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxdecl as jd
+    >>> class Twice(jd.Primitive):
+    ...     def __init__(self, table):
+    ...         self.table = table  # an array: the op is keyed by identity
+    ...     @jd.abstract
+    ...     def shapes(self, x):
+    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    ...     @jd.forward
+    ...     def apply(self, x):
+    ...         return 2 * x
+    >>> [float(Twice(np.zeros(2))(jnp.float32(i))) for i in range(3)]  # compiled once
+    [0.0, 2.0, 4.0]
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import jax
+from jax.core import ShapedArray
+
+from . import _compat, _errors, _runtime
+
+eager_p = _compat.Primitive("jaxdecl_eager_call")
+eager_p.multiple_results = True
+
+
+def _abstract_eval(slot, *avals, out_avals):
+    return [ShapedArray(shape, dtype) for shape, dtype in out_avals]
+
+
+_ffi_lowering = jax.ffi.ffi_lowering(_runtime.EAGER_TARGET, has_side_effect=False)
+
+
+def _lowering(ctx, slot, *operands, out_avals):
+    return _ffi_lowering(ctx, slot, *operands)  # out_avals are ctx.avals_out already
+
+
+eager_p.def_abstract_eval(_abstract_eval)
+_compat.mlir.register_lowering(eager_p, _lowering, platform="cpu")
+
+
+@functools.lru_cache(maxsize=1024)
+def executable(out_avals: tuple, depth: int = 0):
+    """The jitted caller for one result signature (operands: jit's own cache).
+
+    `depth` counts the eager calls already running on this thread: a rule that
+    calls another op of the same signature cannot re-enter the executable
+    that is running it, so each nesting level gets its own.
+    """
+    return jax.jit(lambda slot, *operands: eager_p.bind(slot, *operands, out_avals=out_avals))
+
+
+_thread = threading.local()
+
+
+def run(kernel: _runtime.Kernel, operands, out_avals: tuple, caller=None) -> list:
+    """Runs `kernel` on JAX arrays now; returns its results, raising the rule's error.
+
+    `caller` is ``executable(out_avals)``, when the caller has it at hand. A
+    rule's exception reaches the caller as itself (type, message, chained
+    exceptions); the call blocks so that it is raised here.
+    """
+    depth = getattr(_thread, "depth", 0)
+    if depth or caller is None:
+        caller = executable(out_avals, depth)
+    _thread.depth = depth + 1
+    try:
+        results = caller(kernel.slot_operand(), *operands)
+        for result in results:
+            result.block_until_ready()
+    except (_compat.JaxRuntimeError, ValueError) as error:
+        # JAX's jit fast path reports a failed execution as ValueError, its
+        # first call as JaxRuntimeError: the eager path always gives the rule's
+        # own exception, or else JaxRuntimeError (a C kernel's failure).
+        original = _errors.take_original(error)
+        if original is None:
+            if isinstance(error, _compat.JaxRuntimeError) or \
+                    not _errors.describe(error).startswith("INTERNAL: "):
+                raise
+            original = _compat.JaxRuntimeError(_errors.describe(error))
+    else:
+        return results
+    finally:
+        _thread.depth = depth
+    # Raised outside the except block: the rule's own __cause__/__context__ stay.
+    raise original
