@@ -29,19 +29,16 @@ get_aval = jax.typeof
 __all__ = [
     "Primitive", "Zero", "UndefinedPrimal", "is_undefined_primal", "instantiate_zeros",
     "not_mapped", "Tracer", "JaxRuntimeError", "ad", "batching", "mlir",
-    "forbid_host_transfers", "restore_host_transfers", "float0_zero", "tracing",
+    "forbid_host_transfers", "restore_host_transfers", "float0_zero", "not_tracing",
     "hold_weakly_in_caches",
     "get_aval", "hide_frames",
 ]
 
 
-def tracing() -> bool:
-    """True while a JAX trace is active (jit, vmap, grad, scan, eval_shape, ...).
-
-    Arguments alone cannot tell: a constant passed to an op inside ``jit`` is
-    a NumPy array, yet the op must be staged into the trace, not run.
-    """
-    return not _core.trace_state_clean()
+#: True while no JAX trace is active (jit, vmap, grad, scan, eval_shape, ...).
+#: Arguments alone cannot tell: a constant passed to an op inside ``jit`` is a
+#: NumPy array, yet the op must be staged into the trace, not run.
+not_tracing = _core.trace_state_clean
 
 
 def hold_weakly_in_caches(cls) -> None:

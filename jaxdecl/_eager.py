@@ -66,19 +66,30 @@ def executable(out_avals: tuple, depth: int = 0):
 _thread = threading.local()
 
 
-def run(kernel: _runtime.Kernel, operands, out_avals: tuple, caller=None) -> list:
-    """Runs `kernel` on JAX arrays now; returns its results, raising the rule's error.
+class Call:
+    """One kernel ready to run eagerly: its slot operand, result signature and caller."""
 
-    `caller` is ``executable(out_avals)``, when the caller has it at hand. A
-    rule's exception reaches the caller as itself (type, message, chained
+    __slots__ = ("kernel", "slot", "out_avals", "single", "caller")
+
+    def __init__(self, kernel: _runtime.Kernel, out_avals: tuple, single: bool):
+        self.kernel = kernel
+        self.slot = kernel.slot_operand()
+        self.out_avals = out_avals
+        self.single = single  # return the one result bare, not in a list
+        self.caller = executable(out_avals)
+
+
+def run(call: Call, operands):
+    """Runs `call` on JAX arrays now; returns its result(s), raising the rule's error.
+
+    A rule's exception reaches the caller as itself (type, message, chained
     exceptions); the call blocks so that it is raised here.
     """
     depth = getattr(_thread, "depth", 0)
-    if depth or caller is None:
-        caller = executable(out_avals, depth)
+    caller = executable(call.out_avals, depth) if depth else call.caller
     _thread.depth = depth + 1
     try:
-        results = caller(kernel.slot_operand(), *operands)
+        results = caller(call.slot, *operands)
         for result in results:
             result.block_until_ready()
     except (_compat.JaxRuntimeError, ValueError) as error:
@@ -92,7 +103,7 @@ def run(kernel: _runtime.Kernel, operands, out_avals: tuple, caller=None) -> lis
                 raise
             original = _compat.JaxRuntimeError(_errors.describe(error))
     else:
-        return results
+        return results[0] if call.single else tuple(results)
     finally:
         _thread.depth = depth
     # Raised outside the except block: the rule's own __cause__/__context__ stay.

@@ -82,7 +82,9 @@ def stash(exc: BaseException, context: str) -> str:
         while len(_pending) > _KEEP:
             _pending.popitem(last=False)
     kind = type(exc).__qualname__
-    return f"{context} raised {kind}: {describe(exc)}\n{tb}{_MARK.format(number)}"
+    message = f"{context} raised {kind}: {describe(exc)}\n{tb}"
+    # XLA's error API takes C strings: a NUL would cut the message (and the mark).
+    return message.replace("\x00", "\\x00") + _MARK.format(number)
 
 
 def _drop_tracebacks(exc: BaseException) -> None:

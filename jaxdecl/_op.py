@@ -64,7 +64,7 @@ class OpHandle:
         self.fingerprint = _claim_fingerprint(self, cls, items)
         self._layouts: dict = {}
         self._kernels: dict = {}
-        self._eager: dict = {}  # primals -> (kernel, out_avals, single_output, executable)
+        self.eager_calls: dict = {}  # primals -> _eager.Call
 
     def __repr__(self) -> str:
         return self.spec.name
@@ -130,17 +130,23 @@ class OpHandle:
         )
         return _runtime.register(fingerprint, name, kernel, on_escape, ref)
 
-    def eager_entry(self, instance, primals: tuple):
-        """``(kernel, out_avals, single_output, executable)``: the forward at `primals`."""
-        entry = self._eager.get(primals)
-        if entry is None or not entry[0].alive():
+    def eager_call(self, instance, args) -> tuple:
+        """``(call, operands)``: the forward ready to run eagerly on `args`.
+
+        Converts NumPy arrays and scalars to JAX arrays; the call is cached by
+        the operands' (shape, dtype), which is what :func:`apply_op` looks up.
+        """
+        spec = self.spec
+        operands = [_as_operand(a, spec, n) for a, n in zip(args, spec.params)]
+        primals = tuple((tuple(x.shape), x.dtype) for x in operands)
+        call = self.eager_calls.get(primals)
+        if call is None or not call.kernel.alive():
             layout = self.layout(primals, instance)
             in_shapes = tuple(shape for shape, _ in primals)
             kernel = self.kernel(instance, FORWARD, -1, primals, (), in_shapes)
-            entry = (kernel, layout.outputs, layout.single_output,
-                     _eager.executable(layout.outputs))
-            self._eager[primals] = entry
-        return entry
+            call = _eager.Call(kernel, layout.outputs, layout.single_output)
+            self.eager_calls[primals] = call
+        return call, operands
 
 
 class BoundOp:
@@ -376,15 +382,20 @@ def apply_op(instance, args: tuple, kwargs: dict):
 
     Under any trace (jit, vmap, grad, scan, eval_shape, ...) the op binds its
     primitive, constants included. Outside, it runs through the shared eager
-    executable of its signature.
+    executable of its signature. The common case (JAX arrays whose signature
+    ran before) is a few dictionary lookups: the Python work here sits on the
+    critical path of every eager call.
     """
     handle = handle_of(instance)
     spec = handle.spec
-    args = _arguments(spec, args, kwargs)
-    if _compat.tracing() or any(isinstance(a, _compat.Tracer) for a in args):
+    if kwargs or len(args) != len(spec.params):
+        args = _arguments(spec, args, kwargs)
+    if not _compat.not_tracing():
         return bind_forward(BoundOp(handle, instance), args)
-    operands = [_as_operand(a, spec, n) for a, n in zip(args, spec.params)]
-    primals = tuple((tuple(x.shape), x.dtype) for x in operands)
-    kernel, out_avals, single, caller = handle.eager_entry(instance, primals)
-    results = _eager.run(kernel, operands, out_avals, caller)
-    return results[0] if single else tuple(results)
+    try:
+        call = handle.eager_calls[tuple([(a.shape, a.dtype) for a in args])]
+        if not call.kernel.alive():
+            raise KeyError
+    except (AttributeError, KeyError, TypeError):  # scalars, new signatures, dead kernels
+        call, args = handle.eager_call(instance, args)
+    return _eager.run(call, args)

@@ -74,7 +74,8 @@ def _impl(*args, op, rule, wrt, primals, batch):
     op.user_rule(rule, wrt)  # raises MissingRuleError before anything runs
     in_shapes = tuple(tuple(np.shape(x)) for x in args)
     kernel = op.kernel(rule, wrt, primals, batch, in_shapes)
-    return _eager.run(kernel, args, _out_avals(op, rule, wrt, primals, batch))
+    call = _eager.Call(kernel, _out_avals(op, rule, wrt, primals, batch), single=False)
+    return list(_eager.run(call, args))
 
 
 def _abstract_eval(*avals, op, rule, wrt, primals, batch):

@@ -172,11 +172,6 @@ class _Shift(jd.Primitive):
         return x + self.shift
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 class _Table(jd.Primitive):
     """Holds an array in its configuration: keyed by identity, as nifty.re models are."""
 
@@ -190,40 +185,6 @@ class _Table(jd.Primitive):
     @jd.forward
     def apply(self, x, *, out):
         np.add(x, self.table[: x.size].reshape(x.shape), out=out)
-
-
-def churn(eager: int, jitted: int) -> list:
-    """Creates, calls and drops identity-keyed ops; reports RSS growth (MB) and leftovers.
-
-    Each op is checked against NumPy (a reused id or slot must never run another
-    op's table). Returns [growth_mb, ops_still_alive, kernels_left, wrong].
-    """
-    import gc
-    import weakref
-
-    from jaxdecl import _dispatch
-
-    x = jnp.arange(4.0)
-    wrong = 0
-
-    def cycle(i, jit):
-        nonlocal wrong
-        op = _Table(np.full(1000, float(i)))
-        result = (jax.jit(lambda v: op(v)) if jit else op)(x)
-        if not np.array_equal(np.asarray(result), np.arange(4.0) + i):
-            wrong += 1
-        return weakref.ref(op)
-
-    for i in range(50):  # warm up: the shared eager executable, JAX's own caches
-        cycle(i, False)
-        cycle(i, True)
-    gc.collect()
-    kernels, rss = _dispatch.kernel_count(), _rss_mb()
-    refs = [cycle(i, False) for i in range(eager)]
-    refs += [cycle(i, True) for i in range(jitted)]
-    gc.collect()
-    alive = sum(ref() is not None for ref in refs)
-    return [_rss_mb() - rss, alive, _dispatch.kernel_count() - kernels, wrong]
 
 
 def _seeded_op():
@@ -273,7 +234,6 @@ def hlo_text(order: str) -> list:
 
 
 SCENARIOS = {
-    "churn": churn,
     "serialize": serialize,
     "run_serialized": run_serialized,
     "hlo_text": hlo_text,

@@ -162,11 +162,15 @@ def test_reused_identity_never_finds_a_dead_op():
 def test_create_call_drop_keeps_memory_bounded():
     # 2000 eager and 200 jitted identity-keyed ops (each holding an 8 kB array);
     # before kernels were released this grew by ~1.4 GB per 1000 eager ops.
-    growth_mb, alive, kernels_left, wrong = _scenario("churn", 2000, 200)
-    assert wrong == 0
-    assert alive == 0
-    assert kernels_left == 0
-    assert growth_mb < 30, f"RSS grew by {growth_mb:.1f} MB"
+    script = os.path.join(os.path.dirname(HELPER), "..", "benchmarks", "memory.py")
+    done = subprocess.run([sys.executable, script, "--eager", "2000", "--jit", "200"],
+                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["wrong_results"] == 0
+    assert report["ops_alive"] == 0
+    assert report["kernels_left"] == 0
+    assert report["rss_growth_mb"] < 30, report
 
 
 # ---------------------------------------------------------------------------

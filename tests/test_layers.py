@@ -1,0 +1,70 @@
+"""The package's layers: each module imports only modules below it (no import circle)."""
+
+import ast
+import pathlib
+
+import jaxdecl
+
+PACKAGE = pathlib.Path(jaxdecl.__file__).parent
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: pathlib.Path) -> set:
+    """jaxdecl modules that `path` imports, at any depth of its code (lazy imports too)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            submodules = [f"{module}.{alias.name}" for alias in node.names]
+            # `from . import _x` names submodules only; `from ._x import y`, the module.
+            candidates = submodules if node.module is None else [module] + submodules
+        elif isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        else:
+            continue
+        found.update(c for c in candidates if c.startswith("jaxdecl") and c != name)
+    return found
+
+
+def _graph() -> dict:
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: {m for m in _imports(path) if m in modules} for name, path in modules.items()}
+
+
+def test_no_import_circle():
+    graph = _graph()
+    # A package imports its own submodules to re-export them; that is wiring, not a layer.
+    for name in graph:
+        graph[name] = {m for m in graph[name] if not m.startswith(name + ".")}
+    state: dict = {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for target in sorted(graph[node]):
+            if state.get(target) == "open":
+                raise AssertionError("import circle: " + " -> ".join(path + [node, target]))
+            if target not in state:
+                visit(target, path + [node])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+
+
+def test_primitive_depends_on_nothing_above_it():
+    graph = _graph()
+    above = {"jaxdecl._autodiff", "jaxdecl._batching", "jaxdecl._op", "jaxdecl._declare",
+             "jaxdecl._check", "jaxdecl"}
+    assert not graph["jaxdecl._primitive"] & above, graph["jaxdecl._primitive"]
