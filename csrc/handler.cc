@@ -23,11 +23,9 @@
 #include <Python.h>
 
 #include <array>
-#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
-#include <mutex>
 #include <optional>
 #include <shared_mutex>
 #include <string>
@@ -190,10 +188,16 @@ std::string FetchPythonError() {
   return message;
 }
 
-// str(result) of a kernel that returned something other than None.
+// str(result) of a kernel that returned something other than None, as UTF-8
+// (lone surrogates escaped rather than failing).
 std::string MessageOf(PyObject* result, const char* fallback) {
-  const char* utf8 = PyUnicode_Check(result) ? PyUnicode_AsUTF8(result) : nullptr;
-  std::string message = utf8 ? utf8 : fallback;
+  PyObject* bytes = PyUnicode_Check(result)
+                        ? PyUnicode_AsEncodedString(result, "utf-8", "backslashreplace")
+                        : nullptr;
+  std::string message = bytes ? std::string(PyBytes_AS_STRING(bytes),
+                                            PyBytes_GET_SIZE(bytes))
+                              : fallback;
+  Py_XDECREF(bytes);
   PyErr_Clear();
   return message;
 }
@@ -202,14 +206,16 @@ std::string MessageOf(PyObject* result, const char* fallback) {
 // message of the rule's own failure, if any: an exception that carries a
 // view must not reach the caller, so Python replaces it.
 std::string DescribeEscape(const Kernel& kernel, bool is_output,
-                           Py_ssize_t index, const std::string& error) {
+                           Py_ssize_t index, const std::string& error,
+                           bool eager) {
   PyObject* pending = error.empty()
                           ? Py_NewRef(Py_None)
                           : PyUnicode_DecodeUTF8(error.data(), error.size(),
                                                  "replace");
   if (pending == nullptr) return FetchPythonError();
   PyObject* text = PyObject_CallFunction(
-      kernel.on_escape, "OnO", is_output ? Py_True : Py_False, index, pending);
+      kernel.on_escape, "OnOO", is_output ? Py_True : Py_False, index, pending,
+      eager ? Py_True : Py_False);
   Py_DECREF(pending);
   if (text == nullptr) return FetchPythonError();
   std::string message =
@@ -225,7 +231,8 @@ std::string DescribeEscape(const Kernel& kernel, bool is_output,
 // only when its device buffer is released, which XLA may do on another thread
 // just after the computation completes.  Only the failing path waits.
 std::string CheckEscapes(const Kernel& kernel, PyObject* inputs,
-                         PyObject* outputs, const std::string& error) {
+                         PyObject* outputs, const std::string& error,
+                         bool eager) {
   auto clean = [&] {
     return FirstEscaped(inputs) < 0 && FirstEscaped(outputs) < 0;
   };
@@ -239,20 +246,22 @@ std::string CheckEscapes(const Kernel& kernel, PyObject* inputs,
     Py_END_ALLOW_THREADS
   }
   Py_ssize_t in = FirstEscaped(inputs);
-  if (in >= 0) return DescribeEscape(kernel, false, in, error);
+  if (in >= 0) return DescribeEscape(kernel, false, in, error, eager);
   Py_ssize_t out = FirstEscaped(outputs);
-  if (out >= 0) return DescribeEscape(kernel, true, out, error);
+  if (out >= 0) return DescribeEscape(kernel, true, out, error, eager);
   return {};
 }
 
+// `eager`: an eager caller waits for this call and can take the rule's
+// exception back (a compiled executable's caller cannot).
 std::string RunPythonKernel(const Kernel& kernel, ffi::RemainingArgs args,
-                            ffi::RemainingRets rets) {
+                            ffi::RemainingRets rets, bool eager) {
   std::string error;
   PyObject* inputs = WrapAll(args, false, &error);
   PyObject* outputs = inputs ? WrapAll(rets, true, &error) : nullptr;
   if (outputs != nullptr) {
-    PyObject* result =
-        PyObject_CallFunctionObjArgs(kernel.call, inputs, outputs, nullptr);
+    PyObject* result = PyObject_CallFunctionObjArgs(
+        kernel.call, inputs, outputs, eager ? Py_True : Py_False, nullptr);
     if (result == nullptr) {
       error = FetchPythonError();
     } else if (result != Py_None) {
@@ -261,7 +270,7 @@ std::string RunPythonKernel(const Kernel& kernel, ffi::RemainingArgs args,
     Py_XDECREF(result);
     // An escape outranks the rule's own error: that error may be what holds
     // the view (an exception carrying its output).
-    std::string escaped = CheckEscapes(kernel, inputs, outputs, error);
+    std::string escaped = CheckEscapes(kernel, inputs, outputs, error, eager);
     if (!escaped.empty()) error = escaped;
   }
   Py_XDECREF(inputs);
@@ -273,7 +282,7 @@ std::string RunPythonKernel(const Kernel& kernel, ffi::RemainingArgs args,
 // registration when this one's op is gone (several can share a fingerprint).
 std::string RunPythonKernelWithGil(KernelPtr kernel, const Fingerprint* refind,
                                    ffi::RemainingArgs args,
-                                   ffi::RemainingRets rets) {
+                                   ffi::RemainingRets rets, bool eager) {
   // A thread Python has never seen is one of XLA's workers (see
   // g_worker_enter in registry.h's SetWorkerHooks).
   bool on_worker = PyGILState_GetThisThreadState() == nullptr;
@@ -293,7 +302,7 @@ std::string RunPythonKernelWithGil(KernelPtr kernel, const Fingerprint* refind,
     token = PyObject_CallNoArgs(g_worker_enter);
     if (token == nullptr) PyErr_Clear();
   }
-  std::string error = RunPythonKernel(*kernel, args, rets);
+  std::string error = RunPythonKernel(*kernel, args, rets, eager);
   if (token != nullptr) {
     PyObject* done = PyObject_CallOneArg(g_worker_exit, token);
     if (done == nullptr) PyErr_Clear();
@@ -348,11 +357,13 @@ std::string Hex(const Fingerprint& f) {
   return text;
 }
 
+// `refind` is null on the eager path, whose slot names one registration.
 std::string Run(KernelPtr kernel, const Fingerprint* refind,
                 ffi::RemainingArgs args, ffi::RemainingRets rets) {
   if (kernel->c_function == nullptr) {
     if (!Py_IsInitialized()) return "jaxdecl: the Python interpreter is gone";
-    return RunPythonKernelWithGil(std::move(kernel), refind, args, rets);
+    return RunPythonKernelWithGil(std::move(kernel), refind, args, rets,
+                                  /*eager=*/refind == nullptr);
   }
   std::vector<jaxdecl_buffer> inputs, outputs;
   if (!Describe(args, &inputs) || !Describe(rets, &outputs)) {

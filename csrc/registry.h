@@ -35,8 +35,8 @@ struct Fingerprint {
 struct Kernel {
   Fingerprint fingerprint;
   std::string name;                // Class.method (@kind), for messages
-  PyObject* call = nullptr;        // kernel(inputs, outputs) -> None | str
-  PyObject* on_escape = nullptr;   // on_escape(is_output, index, error) -> str
+  PyObject* call = nullptr;        // kernel(inputs, outputs, eager) -> None | str
+  PyObject* on_escape = nullptr;   // on_escape(is_output, index, error, eager) -> str
   jaxdecl_kernel c_function = nullptr;
   PyObject* keepalive = nullptr;   // owner of c_function's code (capsule, ctypes)
   PyObject* instance_ref = nullptr;  // weakref to the op the kernel calls, or null

@@ -7,8 +7,9 @@ def registrations() -> dict[str, Any]:
     """FFI targets (PyCapsules) to pass to jax.ffi.register_ffi_target on 'cpu'."""
 
 def register_kernel(fingerprint_hi: int, fingerprint_lo: int, name: str,
-                    call: Callable[[tuple, tuple], str | None],
-                    on_escape: Callable[[bool, int, str | None], str]) -> int:
+                    call: Callable[[tuple, tuple, bool], str | None],
+                    on_escape: Callable[[bool, int, str | None, bool], str],
+                    instance_ref: Any) -> int:
     """Registers a host kernel until release_kernel; returns its slot (>= 1)."""
 
 def register_c_kernel(fingerprint_hi: int, fingerprint_lo: int, name: str, address: int,

@@ -83,8 +83,12 @@ def run(call: Call, operands):
     """Runs `call` on JAX arrays now; returns its result(s), raising the rule's error.
 
     A rule's exception reaches the caller as itself (type, message, chained
-    exceptions); the call blocks so that it is raised here.
+    exceptions); the call blocks so that it is raised here. The caller holds
+    the kernel's pin (see :meth:`~jaxdecl._runtime.Kernel.pin`).
     """
+    if _compat.jit_disabled():  # jax.disable_jit() would run the executable's Python
+        with jax.disable_jit(False):
+            return run(call, operands)
     depth = getattr(_thread, "depth", 0)
     caller = executable(call.out_avals, depth) if depth else call.caller
     _thread.depth = depth + 1

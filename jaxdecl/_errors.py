@@ -65,15 +65,20 @@ def _format(exc: BaseException) -> str:
         return f"{type(exc).__qualname__}: {describe(exc)}\n"
 
 
-def stash(exc: BaseException, context: str) -> str:
+def stash(exc: BaseException, context: str, keep: bool = True) -> str:
     """Keeps `exc` for an eager caller; returns the message XLA should carry.
 
     The traceback is kept as text only (a note on the exception and part of
     the message): its frames hold the rule's locals, among them views of XLA
     buffers that are freed after the call, and each frame holds its caller.
+    With `keep` False (a compiled executable's call, which no eager caller
+    collects) only the message is made.
     """
     tb = _format(exc)
     _drop_tracebacks(exc)
+    message = xla_safe(f"{context} raised {type(exc).__qualname__}: {describe(exc)}\n{tb}")
+    if not keep:
+        return message
     if hasattr(exc, "add_note"):  # Python >= 3.11
         exc.add_note(f"Raised inside {context}, called by XLA:\n{tb}")
     number = next(_counter)
@@ -81,10 +86,15 @@ def stash(exc: BaseException, context: str) -> str:
         _pending[number] = exc
         while len(_pending) > _KEEP:
             _pending.popitem(last=False)
-    kind = type(exc).__qualname__
-    message = f"{context} raised {kind}: {describe(exc)}\n{tb}"
-    # XLA's error API takes C strings: a NUL would cut the message (and the mark).
-    return message.replace("\x00", "\\x00") + _MARK.format(number)
+    return message + _MARK.format(number)
+
+
+def xla_safe(message: str) -> str:
+    """`message` as XLA can carry it: valid UTF-8 (lone surrogates escaped), no NUL.
+
+    XLA's error API takes C strings; a NUL would cut the message (and its mark).
+    """
+    return message.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
 
 
 def _drop_tracebacks(exc: BaseException) -> None:

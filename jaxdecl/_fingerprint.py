@@ -72,17 +72,19 @@ def canonical(value) -> str | None:
     return None
 
 
-def configuration_token(items) -> str:
-    """The configuration part of an op's fingerprint.
+def configuration_token(cls, items) -> str:
+    """The class-and-configuration part of an op's fingerprint.
 
-    `items` are the (name, value) pairs that decide sharing, or None when the
-    op is identity-keyed.
+    `items` are the (name, type, value) triples that decide sharing, or None
+    when the op is identity-keyed. A class defined inside a function may
+    differ between processes under one name (its closure), so it gets no text
+    shared across processes either.
     """
-    if items is not None:
-        text = canonical(tuple(items))
+    if items is not None and "<locals>" not in cls.__qualname__:
+        text = canonical(tuple((name, value) for name, _, value in items))
         if text is not None:
-            return text
-    return process_unique()
+            return f"{class_path(cls)}|{text}"
+    return f"{class_path(cls)}|{process_unique()}"
 
 
 def digest(*parts: str) -> tuple[int, int]:

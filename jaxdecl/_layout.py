@@ -86,8 +86,8 @@ def compute_layout(spec, instance, inputs: tuple) -> Layout:
                 f"tuple of them; output {index} is {type(struct).__name__}"
             )
         shape = getattr(struct, "shape", None)
-        if not all(isinstance(d, (int, np.integer)) and d >= 0 for d in shape or ()) or \
-                not isinstance(shape, (tuple, list)):
+        if not isinstance(shape, (tuple, list)) or \
+                not all(isinstance(d, (int, np.integer)) and d >= 0 for d in shape):
             raise RuleError(
                 f"{spec.name}.{rule.name} (@abstract) returned shape {shape} for output {index}; "
                 f"every dimension must be a non-negative int (jaxdecl has no dynamic shapes)"

@@ -91,22 +91,23 @@ class OpHandle:
         return found
 
     def kernel(self, instance, rule: str, wrt: int, primals: tuple, batch: tuple,
-               in_shapes: tuple) -> _runtime.Kernel:
-        """The registered kernel of one rule at one set of shapes (built on first use).
+               in_shapes: tuple) -> tuple:
+        """``(kernel, pin)``: the registered kernel of one rule at one set of shapes.
 
-        A cached kernel whose op instance is gone is rebuilt on `instance`
-        (any live instance of this configuration computes the same).
+        Built on first use. Hold `pin` while the kernel may run: it keeps the op
+        instance the kernel calls alive. A cached kernel whose instance is gone
+        is rebuilt on `instance` (any live instance of this configuration
+        computes the same).
         """
         cache_key = (rule, wrt, primals, batch, in_shapes)
         kernel = self._kernels.get(cache_key)
-        if kernel is not None and kernel.alive():
-            return kernel
-        with _lock:
-            kernel = self._kernels.get(cache_key)
-            if kernel is None or not kernel.alive():
+        pin = kernel.pin() if kernel is not None else None
+        if pin is None:
+            with _lock:
                 kernel = self._build_kernel(instance, rule, wrt, primals, batch, in_shapes)
                 self._kernels[cache_key] = kernel
-        return kernel
+            pin = kernel.pin()
+        return kernel, pin
 
     def _build_kernel(self, instance, rule, wrt, primals, batch, in_shapes):
         spec = self.spec
@@ -131,7 +132,7 @@ class OpHandle:
         return _runtime.register(fingerprint, name, kernel, on_escape, ref)
 
     def eager_call(self, instance, args) -> tuple:
-        """``(call, operands)``: the forward ready to run eagerly on `args`.
+        """``(call, operands, pin)``: the forward ready to run eagerly on `args`.
 
         Converts NumPy arrays and scalars to JAX arrays; the call is cached by
         the operands' (shape, dtype), which is what :func:`apply_op` looks up.
@@ -140,13 +141,14 @@ class OpHandle:
         operands = [_as_operand(a, spec, n) for a, n in zip(args, spec.params)]
         primals = tuple((tuple(x.shape), x.dtype) for x in operands)
         call = self.eager_calls.get(primals)
-        if call is None or not call.kernel.alive():
+        pin = call.kernel.pin() if call is not None else None
+        if pin is None:
             layout = self.layout(primals, instance)
             in_shapes = tuple(shape for shape, _ in primals)
-            kernel = self.kernel(instance, FORWARD, -1, primals, (), in_shapes)
+            kernel, pin = self.kernel(instance, FORWARD, -1, primals, (), in_shapes)
             call = _eager.Call(kernel, layout.outputs, layout.single_output)
             self.eager_calls[primals] = call
-        return call, operands
+        return call, operands, pin
 
 
 class BoundOp:
@@ -185,8 +187,8 @@ class BoundOp:
     def user_rule(self, rule: str, wrt: int = -1):
         return self.handle.user_rule(rule, wrt)
 
-    def kernel(self, rule: str, wrt: int, primals: tuple, batch: tuple,
-               in_shapes: tuple) -> _runtime.Kernel:
+    def kernel(self, rule: str, wrt: int, primals: tuple, batch: tuple, in_shapes: tuple):
+        """``(kernel, pin)``, see :meth:`OpHandle.kernel`."""
         return self.handle.kernel(self.instance, rule, wrt, primals, batch, in_shapes)
 
     def traceable(self, rule: str):
@@ -263,7 +265,13 @@ def _config_key(instance):
     """
     cls = type(instance)
     attributes = getattr(instance, "__dict__", None)
-    items = tuple(sorted(attributes.items())) if attributes is not None else None
+    items = None
+    if attributes is not None:
+        # Typed, so that 1, 1.0 and True are different configurations.
+        items = tuple(sorted((name, type(value), value) for name, value in attributes.items()))
+        if any(getattr(value, "__self__", None) is instance for _, _, value in items):
+            # A bound method of the op itself: a value key would hold the op for good.
+            return _weak_or_strong_key(instance, True), None
     if cls.__eq__ is not object.__eq__ or cls.__hash__ is not object.__hash__:
         try:
             hash(instance)
@@ -281,7 +289,7 @@ def _config_key(instance):
 
 def _claim_fingerprint(handle, cls, items) -> str:
     """The configuration part of kernel fingerprints, unique among live handles."""
-    text = f"{_fingerprint.class_path(cls)}|{_fingerprint.configuration_token(items)}"
+    text = _fingerprint.configuration_token(cls, items)
     owner = _by_fingerprint.get(text)
     if owner is not None and owner is not handle:
         # Another live handle has the same text (two classes with one qualified
@@ -394,8 +402,9 @@ def apply_op(instance, args: tuple, kwargs: dict):
         return bind_forward(BoundOp(handle, instance), args)
     try:
         call = handle.eager_calls[tuple([(a.shape, a.dtype) for a in args])]
-        if not call.kernel.alive():
+        pin = call.kernel.pin()  # held until the call returns: the kernel's op stays alive
+        if pin is None:
             raise KeyError
     except (AttributeError, KeyError, TypeError):  # scalars, new signatures, dead kernels
-        call, args = handle.eager_call(instance, args)
+        call, args, pin = handle.eager_call(instance, args)
     return _eager.run(call, args)

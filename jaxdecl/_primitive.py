@@ -73,9 +73,11 @@ def _impl(*args, op, rule, wrt, primals, batch):
         return broadcast_vmapped(traceable, batch, len(args))(*args)
     op.user_rule(rule, wrt)  # raises MissingRuleError before anything runs
     in_shapes = tuple(tuple(np.shape(x)) for x in args)
-    kernel = op.kernel(rule, wrt, primals, batch, in_shapes)
+    kernel, pin = op.kernel(rule, wrt, primals, batch, in_shapes)
     call = _eager.Call(kernel, _out_avals(op, rule, wrt, primals, batch), single=False)
-    return list(_eager.run(call, args))
+    results = _eager.run(call, args)
+    del pin  # held until here: the kernel's op stays alive for the call
+    return list(results)
 
 
 def _abstract_eval(*avals, op, rule, wrt, primals, batch):
@@ -93,10 +95,10 @@ def _lowering(ctx, *args, op, rule, wrt, primals, batch):
         return _compat.mlir.lower_fun(evaluate, multiple_results=True)(ctx, *args)
     op.user_rule(rule, wrt)  # raises MissingRuleError before anything runs
     in_shapes = tuple(tuple(aval.shape) for aval in ctx.avals_in)
-    kernel = op.kernel(rule, wrt, primals, batch, in_shapes)
+    kernel, pin = op.kernel(rule, wrt, primals, batch, in_shapes)
     # The executable keeps the kernel, and the op instance it calls, for as
     # long as it lives; the HLO names the kernel by fingerprint alone.
-    ctx.module_context.add_keepalive(_runtime.KeepAlive(kernel, kernel.instance()))
+    ctx.module_context.add_keepalive(_runtime.KeepAlive(kernel, pin))
     hi, lo = kernel.fingerprint
     return _ffi_lowering(ctx, *args, fingerprint_hi=np.int64(hi), fingerprint_lo=np.int64(lo),
                          name=kernel.name)

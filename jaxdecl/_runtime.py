@@ -1,8 +1,9 @@
 """Host kernels: the Python callables the C++ dispatcher runs inside XLA.
 
-A host kernel receives ``(inputs, outputs)``, two tuples of NumPy views of
-XLA's buffers, calls one user rule and returns None, or an error message that
-the dispatcher hands back to XLA. Kernels are built once per compiled shape
+A host kernel receives ``(inputs, outputs, eager)``: two tuples of NumPy
+views of XLA's buffers, and whether an eager caller waits for this call (and
+can take the rule's exception back). It calls one user rule and returns None,
+or an error message that the dispatcher hands back to XLA. Kernels are built once per compiled shape
 and registered as a :class:`Kernel`, which owns the dispatcher's registration
 and releases it when dropped: the op's handle holds its kernels while the op
 lives, and every executable that runs one holds it (a lowering keep-alive) for
@@ -257,12 +258,14 @@ def weak_binding(rule, instance):
     function = rule.function
     if isinstance(function, CFunction):
         return function, None
-    if isinstance(function, types.FunctionType):
-        try:
-            return function, weakref.ref(instance)
-        except TypeError:
-            pass
-    return rule.bind(instance), None
+    try:
+        ref = weakref.ref(instance)
+    except TypeError:
+        return rule.bind(instance), None
+    if not isinstance(function, types.FunctionType):  # another descriptor: bind per call
+        def function(instance, *args, _descriptor=function, **kwargs):
+            return _descriptor.__get__(instance, type(instance))(*args, **kwargs)
+    return function, ref
 
 
 def make_kernel(function, *, zero_copy: bool, io: RuleIO, context: str,
@@ -324,7 +327,7 @@ def make_kernel(function, *, zero_copy: bool, io: RuleIO, context: str,
     else:
         run = element
 
-    def fail(exc: BaseException, ins, outs) -> str:
+    def fail(exc: BaseException, ins, outs, eager) -> str:
         if isinstance(exc, _KernelFailure):
             return str(exc)
         # The reported traceback starts at the rule, not at jaxdecl's wrappers.
@@ -333,37 +336,37 @@ def make_kernel(function, *, zero_copy: bool, io: RuleIO, context: str,
             tb = tb.tb_next
         exc.__traceback__ = tb
         _detach_views(exc, ins + outs)
-        return stash(_explain(exc, context), context)
+        return stash(_explain(exc, context), context, keep=eager)
 
     if run is element and zero_copy and single and not isinstance(method, CFunction):
         # The hot path of an unbatched zero-copy rule: one Python frame of ours.
         if ref is None:
-            def kernel(ins, outs):
+            def kernel(ins, outs, eager):
                 try:
                     result = method(*ins, out=outs[0])
                     if result is not None:
                         raise _returned_value(context, result)
                 except BaseException as exc:  # noqa: BLE001 - every error goes back to XLA
-                    return fail(exc, ins, outs)
+                    return fail(exc, ins, outs, eager)
                 return None
         else:
-            def kernel(ins, outs):
+            def kernel(ins, outs, eager):
                 try:
                     result = method(ref(), *ins, out=outs[0])
                     if result is not None:
                         raise _returned_value(context, result)
                 except BaseException as exc:  # noqa: BLE001 - every error goes back to XLA
-                    return fail(exc, ins, outs)
+                    return fail(exc, ins, outs, eager)
                 return None
     else:
-        def kernel(ins, outs):
+        def kernel(ins, outs, eager):
             try:
                 run(ins, outs)
             except BaseException as exc:  # noqa: BLE001 - every error goes back to XLA
-                return fail(exc, ins, outs)
+                return fail(exc, ins, outs, eager)
             return None
 
-    def on_escape(is_output: bool, index: int, pending: str | None) -> str:
+    def on_escape(is_output: bool, index: int, pending: str | None, eager: bool) -> str:
         names = io.out_names if is_output else io.in_names
         what = names[index] if index < len(names) else "its arguments tuple"
         # The rule's own exception (if any) may be what holds the view: it must
@@ -381,7 +384,7 @@ def make_kernel(function, *, zero_copy: bool, io: RuleIO, context: str,
             f"XLA's buffer, which XLA frees or reuses after the call; copy what you keep "
             f"(np.array(x)).{carried}"
         )
-        return stash(error, context)
+        return stash(error, context, keep=eager)
 
     return kernel, on_escape
 
@@ -463,13 +466,20 @@ class Kernel:
             self._slot_operand = jax.numpy.asarray(np.int32(self.slot))
         return self._slot_operand
 
-    def alive(self) -> bool:
-        """False once the op instance the kernel calls is gone."""
-        return self.instance_ref is None or self.instance_ref() is not None
+    def pin(self):
+        """A strong reference that keeps the kernel's op alive while held, or None if
+        the op is gone. Whoever runs the kernel holds it for the call (C kernels
+        and strongly bound rules need nothing: True)."""
+        return True if self.instance_ref is None else self.instance_ref()
 
-    def instance(self):
-        """The op instance the kernel calls (None for C kernels)."""
-        return None if self.instance_ref is None else self.instance_ref()
+    def __copy__(self):
+        return self  # a copy would release the registration twice
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        raise TypeError("a jaxdecl kernel is a process-local registration; it cannot be pickled")
 
     def __del__(self):
         release = getattr(_dispatch, "release_kernel", None)  # None at interpreter exit
@@ -488,11 +498,11 @@ class KeepAlive:
     fingerprint in the process that runs it.
     """
 
-    __slots__ = ("kernel", "instance")
+    __slots__ = ("kernel", "pin")
 
-    def __init__(self, kernel: Kernel | None, instance=None):
+    def __init__(self, kernel: Kernel | None, pin=None):
         self.kernel = kernel
-        self.instance = instance
+        self.pin = pin
 
     def __reduce__(self):
         return (KeepAlive, (None, None))

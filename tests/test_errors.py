@@ -416,3 +416,36 @@ def test_rule_can_be_debugged_with_pdb():
 
     np.testing.assert_array_equal(Debugged()(jnp.arange(3.0)), -np.arange(3.0))
     np.testing.assert_array_equal(jax.jit(Debugged())(jnp.arange(3.0)), -np.arange(3.0))
+
+
+def test_message_with_lone_surrogates_is_delivered():
+    error = ValueError("bad name \udcff")  # what os.fsdecode makes of undecodable bytes
+    with pytest.raises(ValueError) as info:
+        Says(error)(jnp.ones(2))
+    assert info.value is error
+    with pytest.raises(JaxRuntimeError, match=r"bad name \\udcff"):
+        jax.block_until_ready(jax.jit(Says(ValueError("bad name \udcff")))(jnp.ones(2)))
+
+
+def test_eager_calls_under_disable_jit():
+    class Cube(jd.Primitive):
+        @jd.abstract
+        def shapes(self, x):
+            return _same(x)
+
+        @jd.forward
+        def apply(self, x):
+            return x**3
+
+        @jd.jvp
+        def push(self, x, dx):
+            return 3 * x**2 * dx
+
+    x = jnp.arange(3.0)
+    with jax.disable_jit():
+        np.testing.assert_array_equal(Cube()(x), np.arange(3.0) ** 3)
+        np.testing.assert_array_equal(jax.jit(Cube())(x), np.arange(3.0) ** 3)
+        _, tangent = jax.jvp(Cube(), (x,), (jnp.ones(3),))
+        np.testing.assert_array_equal(tangent, 3 * np.arange(3.0) ** 2)
+        with pytest.raises(KeyError, match="boom"):
+            Boom(True)(x)

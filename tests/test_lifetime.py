@@ -227,3 +227,92 @@ def test_serialized_executable_never_runs_another_op(tmp_path):
     assert other.startswith("error:"), other  # never a wrong value
     assert "_Shift.apply (@forward)" in other and "not available in this process" in other
     assert _scenario("run_serialized", path, "same", devices=1) == ["ok"]
+
+
+def test_bound_method_in_configuration_does_not_keep_the_op():
+    class WithCallback(jd.Primitive):
+        def __init__(self):
+            self.callback = self.scale  # a bound method of the op itself
+
+        def scale(self, x):
+            return 3 * x
+
+        @jd.abstract
+        def shapes(self, x):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+        @jd.forward
+        def apply(self, x):
+            return self.callback(x)
+
+    op = WithCallback()
+    np.testing.assert_array_equal(op(jnp.arange(3.0)), 3 * np.arange(3.0))
+    ref = weakref.ref(op)
+    del op
+    _collect()
+    assert ref() is None
+
+
+def test_configurations_equal_in_value_but_not_in_type_do_not_share():
+    class Flag(jd.Primitive):
+        def __init__(self, flag):
+            self.flag = flag
+
+        @jd.abstract
+        def shapes(self, x):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+        @jd.forward
+        def apply(self, x):
+            return x + (10.0 if self.flag is True else 1.0)
+
+    one, true = Flag(1), Flag(True)
+    assert handle_of(one) is not handle_of(true)
+    np.testing.assert_array_equal(one(jnp.zeros(2)), [1.0, 1.0])
+    np.testing.assert_array_equal(true(jnp.zeros(2)), [10.0, 10.0])
+
+
+def test_local_classes_get_no_cross_process_fingerprint():
+    class Local(jd.Primitive):
+        @jd.abstract
+        def shapes(self, x):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+        @jd.forward
+        def apply(self, x):
+            return x
+
+    # A class made inside a function may differ between processes under one name.
+    assert "process-" in handle_of(Local()).fingerprint
+    assert "process-" not in handle_of(Offset(1.0)).fingerprint
+
+
+def test_kernels_are_not_copied_or_pickled():
+    import copy
+    import pickle
+
+    op = Offset(2.5)
+    op(jnp.arange(3.0))
+    kernel = next(iter(handle_of(op)._kernels.values()))
+    assert copy.copy(kernel) is kernel and copy.deepcopy(kernel) is kernel
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(kernel)
+
+
+def test_errors_under_jit_are_not_kept_for_an_eager_caller():
+    from jaxdecl import _errors
+
+    class Fails(jd.Primitive):
+        @jd.abstract
+        def shapes(self, x):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+        @jd.forward
+        def apply(self, x):
+            raise KeyError("under jit")
+
+    kept = len(_errors._pending)
+    for _ in range(3):
+        with pytest.raises((jax.errors.JaxRuntimeError, ValueError), match="under jit"):
+            jax.block_until_ready(jax.jit(Fails())(jnp.ones(2)))
+    assert len(_errors._pending) == kept
