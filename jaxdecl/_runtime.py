@@ -185,15 +185,15 @@ def _streams(x, count: int, nb: int, batched: bool):
     return map(flat.__getitem__, zip(range(count), itertools.repeat(Ellipsis)))
 
 
-def _loop(function, element, zero_copy_single: bool, batch_shape: tuple, in_shapes,
-          context: str):
+def _loop(element, zero_copy_single: bool, batch_shape: tuple, in_shapes, context: str):
     """Runs a rule once per batch element on views (``batch="loop"``).
 
     Fast path: when every operand is either batched in all batch dimensions or
     in none, the batch dimensions are flattened into one (a reshape of a
     contiguous view) and the operands are streamed along it. Otherwise each
     element's operand index is computed as it is needed. Nothing is kept per
-    element between calls.
+    element between calls. The returned ``run(fn, ins, outs)`` calls the rule
+    `fn`, bound once per call.
     """
     nb = len(batch_shape)
     count = int(np.prod(batch_shape))
@@ -209,40 +209,39 @@ def _loop(function, element, zero_copy_single: bool, batch_shape: tuple, in_shap
         # Unpacking a variable number of operands per element costs as much as
         # NumPy's own call here, so the common arities get their own loops.
         if zero_copy_single and len(in_shapes) == 1:
-            def run(ins, outs):
+            def run(fn, ins, outs):
                 (x1,), (out,) = streams(ins, outs)
                 for a, o in zip(x1, out):
-                    result = function(a, out=o)
+                    result = fn(a, out=o)
                     if result is not None:
                         raise _returned_value(context, result)
         elif zero_copy_single and len(in_shapes) == 2:
-            def run(ins, outs):
+            def run(fn, ins, outs):
                 (x1, x2), (out,) = streams(ins, outs)
                 for a, b, o in zip(x1, x2, out):
-                    result = function(a, b, out=o)
+                    result = fn(a, b, out=o)
                     if result is not None:
                         raise _returned_value(context, result)
         else:
-            def run(ins, outs):
+            def run(fn, ins, outs):
                 operands, results = streams(ins, outs)
                 if not operands:  # zero inputs: zip(*operands) would be empty
-                    operands = [itertools.repeat((), count)]
                     for os in zip(*results):
-                        element((), os)
+                        element(fn, (), os)
                     return
                 for xs, os in zip(zip(*operands), zip(*results)):
-                    element(xs, os)
+                    element(fn, xs, os)
         return run
 
     # Per operand and batch dim: does it broadcast there (size 1 in a wider batch)?
     broadcast = [tuple(shape[j] == 1 and batch_shape[j] != 1 for j in range(nb))
                  for shape in in_shapes]
 
-    def run(ins, outs):
+    def run(fn, ins, outs):
         for index in itertools.product(*(range(n) for n in batch_shape)):
             operands = [x[tuple(0 if b else i for i, b in zip(index, flags)) + (Ellipsis,)]
                         for x, flags in zip(ins, broadcast)]
-            element(operands, [o[index + (Ellipsis,)] for o in outs])
+            element(fn, operands, [o[index + (Ellipsis,)] for o in outs])
 
     return run
 
@@ -291,39 +290,39 @@ def make_kernel(function, *, zero_copy: bool, io: RuleIO, context: str,
     stash = _errors.stash
     single = io.single_result
     method, ref = function, instance_ref
-    if ref is not None:
-        def function(*args, **kwargs):
-            return method(ref(), *args, **kwargs)
+    is_c = isinstance(method, CFunction)
 
-    if isinstance(method, CFunction):
+    # `element(fn, ins, outs)` calls the rule `fn` once; the kernel binds `fn`
+    # to the op instance once per call, so no wrapper frame runs per element.
+    if is_c:
         # Looped C kernels fail as the direct ones do: with the kernel's message
         # as the op's error (a JaxRuntimeError), not as a Python exception.
         address = method.address
 
-        def element(ins, outs):
+        def element(fn, ins, outs):
             error = _dispatch.call_c_kernel(address, tuple(ins), tuple(outs))
             if error is not None:
                 raise _KernelFailure(f"{context}: {error}")
     elif zero_copy:
         if single:
-            def element(ins, outs):
-                result = function(*ins, out=outs[0])
+            def element(fn, ins, outs):
+                result = fn(*ins, out=outs[0])
                 if result is not None:
                     raise _returned_value(context, result)
         else:
-            def element(ins, outs):
-                result = function(*ins, out=tuple(outs))
+            def element(fn, ins, outs):
+                result = fn(*ins, out=tuple(outs))
                 if result is not None:
                     raise _returned_value(context, result)
     else:
         batch_rank = 0 if loop else len(batch_shape)
 
-        def element(ins, outs):
-            _store(function(*ins), outs, io, context, batch_rank)
+        def element(fn, ins, outs):
+            _store(fn(*ins), outs, io, context, batch_rank)
 
     if loop and batch_shape:
-        run = _loop(function, element, zero_copy and single and not isinstance(method, CFunction),
-                    batch_shape, in_shapes, context)
+        run = _loop(element, zero_copy and single and not is_c, batch_shape, in_shapes,
+                    context)
     else:
         run = element
 
@@ -338,7 +337,7 @@ def make_kernel(function, *, zero_copy: bool, io: RuleIO, context: str,
         _detach_views(exc, ins + outs)
         return stash(_explain(exc, context), context, keep=eager)
 
-    if run is element and zero_copy and single and not isinstance(method, CFunction):
+    if run is element and zero_copy and single and not is_c:
         # The hot path of an unbatched zero-copy rule: one Python frame of ours.
         if ref is None:
             def kernel(ins, outs, eager):
@@ -358,10 +357,17 @@ def make_kernel(function, *, zero_copy: bool, io: RuleIO, context: str,
                 except BaseException as exc:  # noqa: BLE001 - every error goes back to XLA
                     return fail(exc, ins, outs, eager)
                 return None
+    elif ref is None:
+        def kernel(ins, outs, eager):
+            try:
+                run(method, ins, outs)
+            except BaseException as exc:  # noqa: BLE001 - every error goes back to XLA
+                return fail(exc, ins, outs, eager)
+            return None
     else:
         def kernel(ins, outs, eager):
             try:
-                run(ins, outs)
+                run(method.__get__(ref()), ins, outs)
             except BaseException as exc:  # noqa: BLE001 - every error goes back to XLA
                 return fail(exc, ins, outs, eager)
             return None
