@@ -29,15 +29,10 @@ get_aval = jax.typeof
 __all__ = [
     "Primitive", "Zero", "UndefinedPrimal", "is_undefined_primal", "instantiate_zeros",
     "not_mapped", "Tracer", "JaxRuntimeError", "ad", "batching", "mlir",
-    "forbid_host_transfers", "restore_host_transfers", "float0_zero", "not_tracing", "jit_disabled",
+    "forbid_host_transfers", "restore_host_transfers", "float0_zero", "not_tracing",
     "hold_weakly_in_caches",
     "get_aval", "hide_frames",
 ]
-
-
-def jit_disabled() -> bool:
-    """True inside ``jax.disable_jit()``."""
-    return bool(jax.config.jax_disable_jit)
 
 
 #: True while no JAX trace is active (jit, vmap, grad, scan, eval_shape, ...).

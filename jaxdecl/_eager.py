@@ -48,6 +48,13 @@ def _lowering(ctx, slot, *operands, out_avals):
     return _ffi_lowering(ctx, slot, *operands)  # out_avals are ctx.avals_out already
 
 
+def _impl(slot, *operands, out_avals):
+    # Reached only inside jax.disable_jit(), which runs the executable's Python.
+    with jax.disable_jit(False):
+        return executable(out_avals, depth=-1)(slot, *operands)
+
+
+eager_p.def_impl(_impl)
 eager_p.def_abstract_eval(_abstract_eval)
 _compat.mlir.register_lowering(eager_p, _lowering, platform="cpu")
 
@@ -86,9 +93,6 @@ def run(call: Call, operands):
     exceptions); the call blocks so that it is raised here. The caller holds
     the kernel's pin (see :meth:`~jaxdecl._runtime.Kernel.pin`).
     """
-    if _compat.jit_disabled():  # jax.disable_jit() would run the executable's Python
-        with jax.disable_jit(False):
-            return run(call, operands)
     depth = getattr(_thread, "depth", 0)
     caller = executable(call.out_avals, depth) if depth else call.caller
     _thread.depth = depth + 1
