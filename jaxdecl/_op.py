@@ -260,7 +260,7 @@ def _weak_or_strong_key(instance, by_identity: bool):
 def _config_key(instance):
     """``(key, items)``: equal keys <=> instances share compiled code (API.md §1).
 
-    `items` are the (name, value) pairs of the configuration, for the
+    `items` are the (name, type, value) triples of the configuration, for the
     fingerprint; None when the op is keyed by identity.
     """
     cls = type(instance)
