@@ -257,6 +257,36 @@ def _weak_or_strong_key(instance, by_identity: bool):
         return ("id", id(instance)) if by_identity else ("eq", type(instance), instance)
 
 
+_slot_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # class -> names
+
+
+def _attributes(instance) -> dict | None:
+    """The instance's configuration: its ``__dict__`` and the ``__slots__`` it has set."""
+    cls = type(instance)
+    names = _slot_names.get(cls)
+    if names is None:
+        names = []
+        for klass in cls.__mro__:
+            slots = vars(klass).get("__slots__", ())
+            for name in (slots,) if isinstance(slots, str) else slots:
+                if name in ("__dict__", "__weakref__"):
+                    continue
+                if name.startswith("__") and not name.endswith("__"):
+                    name = f"_{klass.__name__.lstrip('_')}{name}"  # name mangling
+                names.append(name)
+        names = _slot_names[cls] = tuple(names)
+    attributes = getattr(instance, "__dict__", None)
+    if not names:
+        return attributes
+    merged = dict(attributes or {})
+    for name in names:
+        try:
+            merged[name] = getattr(instance, name)
+        except AttributeError:  # a slot not set
+            pass
+    return merged
+
+
 def _config_key(instance):
     """``(key, items)``: equal keys <=> instances share compiled code (API.md §1).
 
@@ -264,7 +294,7 @@ def _config_key(instance):
     fingerprint; None when the op is keyed by identity.
     """
     cls = type(instance)
-    attributes = getattr(instance, "__dict__", None)
+    attributes = _attributes(instance)
     items = None
     if attributes is not None:
         # Typed, so that 1, 1.0 and True are different configurations.

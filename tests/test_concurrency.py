@@ -47,6 +47,52 @@ def test_threads_share_a_jitted_op(size):
     _run_in_threads(work, failures)
 
 
+class Scaled(jd.Primitive):
+    """Configuration in __slots__: a different factor is a different op."""
+
+    __slots__ = ("factor",)
+
+    def __init__(self, factor):
+        self.factor = factor
+
+    @jd.abstract
+    def shapes(self, x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x):
+        return self.factor * x
+
+
+class PlusOneTwice(jd.Primitive):
+    """A rule that calls another op eagerly (a nested eager call on the same thread)."""
+
+    @jd.abstract
+    def shapes(self, x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x):
+        return 2 * np.asarray(Scaled(1.0)(np.array(x)) + 1)
+
+
+def test_threads_call_eager_ops_with_their_own_configurations():
+    failures = []
+
+    def work(i):
+        try:
+            for k in range(30):
+                x = np.arange(3.0 + k % 3)
+                op = Scaled(float(i))  # alive in every thread at once, each its own factor
+                np.testing.assert_array_equal(op(x), i * x)
+                np.testing.assert_array_equal(PlusOneTwice()(x), 2 * (x + 1))
+                np.testing.assert_array_equal(jax.jit(op)(x), i * x)
+        except Exception as exc:  # noqa: BLE001
+            failures.append(exc)
+
+    _run_in_threads(work, failures)
+
+
 def test_threads_call_eager_ops_with_different_shapes():
     failures = []
 
