@@ -233,7 +233,25 @@ def hlo_text(order: str) -> list:
     return [jax.jit(lambda v: _seeded_op()(v)).lower(x).as_text()]
 
 
+def cached_run(cache_dir: str, order: str) -> list:
+    """jit(_Shift(2.0)) with the persistent compilation cache in `cache_dir`.
+
+    Returns [outcome, whether compiling it wrote a new cache entry ("new"/"hit")].
+    """
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    x = jnp.arange(4.0)
+    if order == "many":
+        for i in range(5):
+            jax.jit(lambda v, i=i: _Shift(-float(i))(v))(x)
+    before = set(os.listdir(cache_dir)) if os.path.isdir(cache_dir) else set()
+    outcome = _outcome(lambda: jax.jit(lambda v: _seeded_op()(v))(x), np.arange(4.0) + 2.0)
+    return [outcome, "new" if set(os.listdir(cache_dir)) - before else "hit"]
+
+
 SCENARIOS = {
+    "cached_run": cached_run,
     "serialize": serialize,
     "run_serialized": run_serialized,
     "hlo_text": hlo_text,

@@ -316,3 +316,11 @@ def test_errors_under_jit_are_not_kept_for_an_eager_caller():
         with pytest.raises((jax.errors.JaxRuntimeError, ValueError), match="under jit"):
             jax.block_until_ready(jax.jit(Fails())(jnp.ones(2)))
     assert len(_errors._pending) == kept
+
+
+def test_persistent_compilation_cache_hits_across_processes(tmp_path):
+    # The second process uses other ops first: with process-local kernel numbers
+    # in the HLO it would miss the cache (or worse, run another op).
+    cache = tmp_path / "cache"
+    assert _scenario("cached_run", cache, "none") == ["ok", "new"]
+    assert _scenario("cached_run", cache, "many") == ["ok", "hit"]
