@@ -26,7 +26,6 @@ Example:
 from __future__ import annotations
 
 import functools
-import threading
 
 import jax
 from jax.core import ShapedArray
@@ -63,14 +62,23 @@ _compat.mlir.register_lowering(eager_p, _lowering, platform="cpu")
 def executable(out_avals: tuple, depth: int = 0):
     """The jitted caller for one result signature (operands: jit's own cache).
 
-    `depth` counts the eager calls already running on this thread: a rule that
-    calls another op of the same signature cannot re-enter the executable
-    that is running it, so each nesting level gets its own.
+    `depth` numbers copies of it: a rule that calls another op of the same
+    signature cannot re-enter the executable that is running it (JAX refuses
+    recursive calls), so a nested call takes the next copy.
     """
     return jax.jit(lambda slot, *operands: eager_p.bind(slot, *operands, out_avals=out_avals))
 
 
-_thread = threading.local()
+def _nested(call, operands):
+    """Runs `call` from inside a rule that a copy of its executable is running."""
+    depth = 1
+    while True:
+        try:
+            return executable(call.out_avals, depth)(call.slot, *operands)
+        except RecursionError as error:
+            if "Recursively calling" not in str(error):
+                raise
+            depth += 1
 
 
 class Call:
@@ -93,13 +101,18 @@ def run(call: Call, operands):
     exceptions); the call blocks so that it is raised here. The caller holds
     the kernel's pin (see :meth:`~jaxdecl._runtime.Kernel.pin`).
     """
-    depth = getattr(_thread, "depth", 0)
-    caller = executable(call.out_avals, depth) if depth else call.caller
-    _thread.depth = depth + 1
     try:
-        results = caller(call.slot, *operands)
-        for result in results:
-            result.block_until_ready()
+        try:
+            results = call.caller(call.slot, *operands)
+        except RecursionError as error:  # a rule calling an op of its own signature
+            if "Recursively calling" not in str(error):
+                raise
+            results = _nested(call, operands)
+        if call.single:
+            results[0].block_until_ready()
+        else:
+            for result in results:
+                result.block_until_ready()
     except (_compat.JaxRuntimeError, ValueError) as error:
         # JAX's jit fast path reports a failed execution as ValueError, its
         # first call as JaxRuntimeError: the eager path always gives the rule's
@@ -112,7 +125,5 @@ def run(call: Call, operands):
             original = _compat.JaxRuntimeError(_errors.describe(error))
     else:
         return results[0] if call.single else tuple(results)
-    finally:
-        _thread.depth = depth
     # Raised outside the except block: the rule's own __cause__/__context__ stay.
     raise original

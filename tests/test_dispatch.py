@@ -401,3 +401,28 @@ def test_without_x64():
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])["results"]
     assert results == ["ok"] * 10, results
+
+
+class AddThenCall(jd.Primitive):
+    """x + 1, then hands the result to `inner` eagerly from inside the rule."""
+
+    def __init__(self, inner=None):
+        self.inner = inner
+
+    @jd.abstract
+    def shapes(self, x):
+        return _same(x)
+
+    @jd.forward
+    def apply(self, x):
+        y = np.array(x) + 1
+        return y if self.inner is None else np.asarray(self.inner(y))
+
+
+def test_rules_calling_ops_of_the_same_signature_nest():
+    # Each level re-enters JAX eagerly with the same signature as the level above.
+    op = AddThenCall(AddThenCall(AddThenCall()))
+    x = jnp.arange(4.0)
+    for _ in range(3):
+        np.testing.assert_array_equal(op(x), np.arange(4.0) + 3)
+    np.testing.assert_array_equal(jax.jit(op)(x), np.arange(4.0) + 3)
