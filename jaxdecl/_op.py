@@ -104,9 +104,13 @@ class OpHandle:
         pin = kernel.pin() if kernel is not None else None
         if pin is None:
             with _lock:
-                kernel = self._build_kernel(instance, rule, wrt, primals, batch, in_shapes)
-                self._kernels[cache_key] = kernel
-            pin = kernel.pin()
+                # Another thread may have built it meanwhile: one registration each.
+                kernel = self._kernels.get(cache_key)
+                pin = kernel.pin() if kernel is not None else None
+                if pin is None:
+                    kernel = self._build_kernel(instance, rule, wrt, primals, batch, in_shapes)
+                    self._kernels[cache_key] = kernel
+                    pin = kernel.pin()
         return kernel, pin
 
     def _build_kernel(self, instance, rule, wrt, primals, batch, in_shapes):
