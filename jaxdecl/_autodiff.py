@@ -34,7 +34,7 @@ def _check_nondiff(op, layout, tangents, inputs=None) -> None:
     inputs = range(len(tangents)) if inputs is None else inputs
     for index, tangent in zip(inputs, tangents):
         if not layout.diff[index] and not _is_zero(tangent) and not _is_float0(tangent):
-            name = op.spec.params[index]
+            name = op.spec.params[layout.leaf_param[index]]
             raise ValueError(
                 f"{op.spec.name}: input {name!r} is declared nondiff=, so jaxdecl cannot "
                 f"differentiate with respect to it (a value that depends on what you "
@@ -63,12 +63,12 @@ def _slots(op, layout, rule, wrt):
         range(n - 1, n - 1 + n_ct))
 
 
-def _second_order_form(op, rule, layout):
+def _second_order_form(op, rule, layout, primals):
     """A JAX-traceable version of the jvp/vjp rule, so it can be differentiated again."""
-    own = op.traceable(rule)
+    own = op.traceable(rule, primals)
     if own is not None:
         return own
-    other = op.traceable(VJP if rule == JVP else JVP)
+    other = op.traceable(VJP if rule == JVP else JVP, primals)
     if other is None:
         return None
     n = len(layout.inputs)
@@ -120,7 +120,7 @@ def jvp_rule(operands, tangents, *, op, rule, wrt, primals, batch):
     if any(not _is_zero(tangents[k]) and tangents[k].dtype != jax.dtypes.float0
            for k in others):
         # A tangent on a non-linear operand: differentiate a traceable form.
-        form = _second_order_form(op, rule, layout) if rule in (JVP, VJP) else None
+        form = _second_order_form(op, rule, layout, primals) if rule in (JVP, VJP) else None
         if form is None:
             raise _not_differentiable(op, rule if rule in (JVP, VJP) else JVP)
         evaluate = broadcast_vmapped(form, batch, len(operands))
@@ -164,7 +164,7 @@ def _jvp_nonlinear(op, layout, operands, tangents, primals, batch):
         outs = bind_rule(op, FORWARD, operands, primals, batch)
         return outs, [_compat.float0_zero(o.aval) for o in outs]
     dxs = [_compat.instantiate_zeros(tangents[i]) for i in diff]
-    inline = op.traceable(JVP)
+    inline = op.traceable(JVP, primals)
     if inline is not None and "vjp" not in op.spec.rules:
         # JAX differentiates and transposes the traceable rule itself.
         tangent_outs = broadcast_vmapped(inline, batch, n + len(dxs))(*operands, *dxs)
@@ -232,7 +232,7 @@ def transpose_rule(cts, *operands, op, rule, wrt, primals, batch):
         raise ValueError(f"{spec.name} is not linear; its forward cannot be transposed")
     elif rule == JVP:
         xs = defined(range(n))
-        inline = op.traceable(VJP)
+        inline = op.traceable(VJP, primals)
         if inline is not None:
             results = broadcast_vmapped(inline, batch, n + len(float_cts))(*xs, *float_cts)
         elif "vjp" in spec.rules:
@@ -243,7 +243,7 @@ def transpose_rule(cts, *operands, op, rule, wrt, primals, batch):
             out_cts[k] = r
     elif rule == VJP:
         xs = defined(range(n))
-        inline = op.traceable(JVP)
+        inline = op.traceable(JVP, primals)
         if inline is not None:
             results = broadcast_vmapped(inline, batch, n + len(float_cts))(*xs, *float_cts)
         elif "jvp" in spec.rules:

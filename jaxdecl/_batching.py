@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import _compat
+from . import _compat, _structure
 from ._layout import FORWARD, TRANSPOSE
 from ._primitive import bind_rule, jaxdecl_p
 
@@ -35,7 +35,7 @@ def batch_rule(args, dims, *, op, rule, wrt, primals, batch):
     spec = op.spec
     user = spec.rules.get("batch")
     if user is not None and rule == FORWARD:
-        return _user_batch(op, args, dims)
+        return _user_batch(op, args, dims, op.layout(primals))
     if user is not None and rule == TRANSPOSE:
         return _transpose_of_user_batch(op, args, dims, primals)
     size = _batch_size(args, dims)
@@ -45,9 +45,12 @@ def batch_rule(args, dims, *, op, rule, wrt, primals, batch):
     return outs, [0] * len(outs)
 
 
-def _call_user_batch(op, args, axes):
+def _call_user_batch(op, args, axes, layout):
     spec = op.spec
     rule = spec.rules["batch"]
+    if layout.structured:
+        args = _structure.pack(layout.in_groups, args)
+        axes = _structure.pack(layout.in_groups, axes)
     result = rule.bind(op.instance)(tuple(args), tuple(axes))
     try:
         outs, out_axes = result
@@ -55,6 +58,8 @@ def _call_user_batch(op, args, axes):
         raise TypeError(
             f"{spec.name}.{rule.name} (@batch) must return (outputs, out_axes); got {result!r}"
         ) from None
+    if layout.structured:
+        return _flatten_batched(layout, outs, out_axes, f"{spec.name}.{rule.name} (@batch)")
     if not isinstance(outs, (tuple, list)):
         outs, out_axes = [outs], [out_axes]
     elif not isinstance(out_axes, (tuple, list)):
@@ -67,9 +72,32 @@ def _call_user_batch(op, args, axes):
     return list(outs), [not_mapped if a is None else a for a in out_axes]
 
 
-def _user_batch(op, args, dims):
+def _flatten_batched(layout, outs, out_axes, context):
+    """Flat outputs and axes of a @batch rule that returned pytrees like the op's."""
+    groups = layout.out_groups
+    single = layout.single_output
+    outs = [outs] if single else list(outs)
+    if single or not isinstance(out_axes, (tuple, list)):
+        out_axes = [out_axes] * len(groups)
+    if len(outs) != len(groups) or len(out_axes) != len(groups):
+        raise TypeError(f"{context} returned {len(outs)} outputs and {len(out_axes)} out_axes "
+                        f"for an op with {len(groups)} outputs")
+    flat_outs, flat_axes = [None] * len(layout.outputs), [None] * len(layout.outputs)
+    for group, value, axes in zip(groups, outs, out_axes):
+        leaves = [value] if group.tree is None else group.tree.flatten_up_to(value)
+        if axes is None or isinstance(axes, int) or group.tree is None:
+            axes = [axes] * len(leaves)
+        else:  # a pytree of axes: None marks an unbatched subtree
+            axes = _structure.leaves_or_none(group, axes)
+        for slot, leaf, axis in zip(group.slots, leaves, axes):
+            flat_outs[slot] = leaf
+            flat_axes[slot] = not_mapped if axis is None else axis
+    return flat_outs, flat_axes
+
+
+def _user_batch(op, args, dims, layout):
     axes = [None if d is not_mapped else d for d in dims]
-    return _call_user_batch(op, args, axes)
+    return _call_user_batch(op, args, axes, layout)
 
 
 def _transpose_of_user_batch(op, args, dims, primals):
@@ -91,7 +119,7 @@ def _transpose_of_user_batch(op, args, dims, primals):
             axes[i] = None if lead_dims[position] is not_mapped else lead_dims[position]
         for x, i in zip(linear, diff):
             full[i], axes[i] = x, 0
-        outs, out_axes = _call_user_batch(op, full, axes)
+        outs, out_axes = _call_user_batch(op, full, axes, layout)
         moved = [jnp.broadcast_to(o, (size,) + o.shape) if a is not_mapped
                  else jnp.moveaxis(o, a, 0) for o, a in zip(outs, out_axes)]
         return [o for o, f in zip(moved, layout.float_out) if f]

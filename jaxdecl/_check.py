@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from . import _layout
+from . import _layout, _structure
 from ._errors import RuleError
-from ._op import spec_of
+from ._op import flatten_inputs, spec_of
 
 _DOT_RTOL = {"float16": 3e-2, "bfloat16": 3e-2, "float32": 2e-4, "complex64": 2e-4}
 _FD_RTOL = {"float16": 1e-1, "bfloat16": 1e-1, "float32": 2e-2, "complex64": 2e-2}
@@ -46,7 +45,7 @@ def check(op, *args, rtol: float | None = None, seed: int = 0) -> None:
 
     Args:
       op: a jaxdecl op instance.
-      *args: example inputs (arrays or scalars).
+      *args: example inputs (arrays, scalars or pytrees of them).
       rtol: relative tolerance for the numeric comparisons; by default keyed
         by the lowest precision among the inputs.
       seed: seed of the random tangents and cotangents.
@@ -70,28 +69,29 @@ def check(op, *args, rtol: float | None = None, seed: int = 0) -> None:
     """
     spec = spec_of(op)
     rng = np.random.default_rng(seed)
-    args = tuple(np.asarray(jnp.asarray(a)) for a in args)
-    primals = tuple(_layout.aval_of(a) for a in args)
+    operands, primals = flatten_inputs(spec, args)
+    # The checks work on flat leaves; `call` rebuilds the op's pytree arguments.
+    leaves = [np.asarray(x) for x in operands]
+    tree = jax.tree_util.tree_structure(tuple(args))
     layout = _layout.compute_layout(spec, op, primals)
-    dtypes = [d for _, d in primals] + [d for _, d in layout.outputs]
+    dtypes = [d for _, d in layout.inputs] + [d for _, d in layout.outputs]
     dot_rtol = rtol if rtol is not None else _lowest(dtypes, _DOT_RTOL, 1e-8)
     fd_rtol = rtol if rtol is not None else _lowest(dtypes, _FD_RTOL, 1e-5)
 
-    eager = _check_forward(spec, op, args, layout)
-    _check_jit(spec, op, args, eager, dot_rtol)
+    def call(flat, wrapper=lambda f: f):
+        return tuple(jax.tree_util.tree_leaves(wrapper(op)(*tree.unflatten(list(flat)))))
+
+    eager = _check_forward(spec, op, leaves, tree, layout, call)
+    _check_jit(spec, leaves, eager, dot_rtol, call)
     if any(layout.diff) and any(layout.float_out):
-        _check_derivatives(spec, op, args, layout, rng, dot_rtol, fd_rtol)
-    _check_vmap(spec, op, args, dot_rtol)
+        _check_derivatives(spec, leaves, layout, rng, dot_rtol, fd_rtol, call)
+    _check_vmap(spec, leaves, dot_rtol, call)
 
 
-def _as_tuple(result):
-    return tuple(result) if isinstance(result, (tuple, list)) else (result,)
-
-
-def _check_forward(spec, op, args, layout):
+def _check_forward(spec, op, args, tree, layout, call):
     forward = spec.rules["forward"]
     try:
-        eager = _as_tuple(op(*args))
+        eager = call(args)
     except RuleError as error:
         raise AssertionError(
             f"jd.check: {spec.describe('abstract')} (@abstract) disagrees with "
@@ -103,22 +103,24 @@ def _check_forward(spec, op, args, layout):
         results = []
         for fill in (0, 1):
             outs = tuple(np.full(shape, fill, dtype) for shape, dtype in layout.outputs)
-            bound = forward.bind(op)
-            bound(*[a.copy() for a in args], out=outs[0] if layout.single_output else outs)
+            views = _structure.pack(layout.out_groups, outs)
+            forward.bind(op)(*tree.unflatten([a.copy() for a in args]),
+                             out=views[0] if layout.single_output else tuple(views))
             results.append(outs)
         for index, (a, b) in enumerate(zip(*results)):
             unwritten = np.asarray(a != b)
             if unwritten.any():
                 raise AssertionError(
                     f"jd.check: {spec.describe('forward')} (@forward) leaves "
-                    f"{int(unwritten.sum())} of {unwritten.size} elements of output {index} "
+                    f"{int(unwritten.sum())} of {unwritten.size} elements of "
+                    f"{layout.output_names[index]} "
                     f"unwritten"
                 )
     return eager
 
 
-def _check_jit(spec, op, args, eager, rtol):
-    jitted = _as_tuple(jax.jit(lambda *a: op(*a))(*args))
+def _check_jit(spec, args, eager, rtol, call):
+    jitted = call(args, jax.jit)
     for index, (a, b) in enumerate(zip(eager, jitted)):
         if not np.allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=0, equal_nan=True):
             raise AssertionError(
@@ -127,7 +129,7 @@ def _check_jit(spec, op, args, eager, rtol):
             )
 
 
-def _check_derivatives(spec, op, args, layout, rng, dot_rtol, fd_rtol):
+def _check_derivatives(spec, args, layout, rng, dot_rtol, fd_rtol, call):
     diff = layout.diff_indices
     floats = layout.float_out_indices
 
@@ -135,7 +137,7 @@ def _check_derivatives(spec, op, args, layout, rng, dot_rtol, fd_rtol):
         full = list(args)
         for i, value in zip(diff, diff_args):
             full[i] = value
-        outs = _as_tuple(op(*full))
+        outs = call(full)
         return tuple(outs[j] for j in floats)
 
     x = tuple(args[i] for i in diff)
@@ -163,7 +165,8 @@ def _check_derivatives(spec, op, args, layout, rng, dot_rtol, fd_rtol):
             if error > fd_rtol * max(scale, 1.0):
                 raise AssertionError(
                     f"jd.check: {tangent_rule} (@jvp) disagrees with finite differences for "
-                    f"output {floats[index]}: max error {error:.3g} (scale {scale:.3g})"
+                    f"{layout.output_names[floats[index]]}: max error {error:.3g} "
+                    f"(scale {scale:.3g})"
                 )
         reference = _dot(0, 0) + sum(_dot(c, j) for c, j in zip(ct, jt))
     else:
@@ -190,13 +193,13 @@ def _check_derivatives(spec, op, args, layout, rng, dot_rtol, fd_rtol):
             )
 
 
-def _check_vmap(spec, op, args, rtol):
+def _check_vmap(spec, args, rtol, call):
     batch = 3
     stacked = [np.stack([a + (k if np.issubdtype(a.dtype, np.inexact) else 0)
                          for k in range(batch)]).astype(a.dtype) for a in args]
-    batched = _as_tuple(jax.vmap(lambda *a: op(*a))(*stacked))
+    batched = call(stacked, jax.vmap)
     for k in range(batch):
-        looped = _as_tuple(op(*[s[k] for s in stacked]))
+        looped = call([s[k] for s in stacked])
         for index, (a, b) in enumerate(zip(batched, looped)):
             if not np.allclose(np.asarray(a)[k], np.asarray(b), rtol=max(rtol, 1e-6),
                                atol=max(rtol, 1e-6), equal_nan=True):

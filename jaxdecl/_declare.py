@@ -119,7 +119,10 @@ jvp = _make_decorator("jvp", """Marks the forward-mode rule ``(self, *inputs, *t
 Returns the output tangent(s).
 
 One tangent arrives per differentiable input (floating or complex, not in
-``nondiff=``), in input order. With ``traceable=True`` the rule receives and
+``nondiff=``), in input order; one is returned per floating/complex output, bare
+when there is exactly one (an op with outputs ``(distance, index)`` returns just
+the distance's tangent). Pytree inputs and outputs get pytree tangents, with
+``None`` at integer leaves. With ``traceable=True`` the rule receives and
 returns JAX values and is differentiated again by JAX (higher order).
 
 Example:
@@ -143,7 +146,8 @@ vjp = _make_decorator("vjp", """Marks the reverse-mode rule ``(self, *inputs, *c
 Returns the input cotangent(s).
 
 One cotangent arrives per floating/complex output; one is returned per
-differentiable input (a tuple if several). Returns Jᵀ·ct, not conjugated.
+differentiable input (a tuple if several), where ``None`` stands for zero (a
+whole cotangent or a subtree of a pytree one). Returns Jᵀ·ct, not conjugated.
 
 Example:
     >>> import jax, numpy as np, jaxdecl as jd

@@ -84,13 +84,15 @@ def _nested(call, operands):
 class Call:
     """One kernel ready to run eagerly: its slot operand, result signature and caller."""
 
-    __slots__ = ("kernel", "slot", "out_avals", "single", "caller")
+    __slots__ = ("kernel", "slot", "out_avals", "single", "rebuild", "caller")
 
-    def __init__(self, kernel: _runtime.Kernel, out_avals: tuple, single: bool):
+    def __init__(self, kernel: _runtime.Kernel, out_avals: tuple, single: bool,
+                 rebuild=None):
         self.kernel = kernel
         self.slot = kernel.slot_operand()
         self.out_avals = out_avals
         self.single = single  # return the one result bare, not in a list
+        self.rebuild = rebuild  # or: the results' pytree from the flat tuple of them
         self.caller = executable(out_avals)
 
 
@@ -124,6 +126,8 @@ def run(call: Call, operands):
                 raise
             original = _compat.JaxRuntimeError(_errors.describe(error))
     else:
-        return results[0] if call.single else tuple(results)
+        if call.single:
+            return results[0]
+        return tuple(results) if call.rebuild is None else call.rebuild(results)
     # Raised outside the except block: the rule's own __cause__/__context__ stay.
     raise original

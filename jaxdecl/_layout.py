@@ -1,21 +1,29 @@
 """Which values flow in and out of each rule, derived from the primal inputs.
 
 jaxdecl emits one JAX primitive, ``jaxdecl_call``, whose ``rule`` parameter
-says which user rule an equation stands for. Each rule has a fixed operand
-order, the positional order its Python method takes:
+says which user rule an equation stands for. The primitive sees arrays only:
+an input that is a pytree contributes its leaves, in JAX's flattening order.
+Each rule has a fixed order of those flat operands:
 
 =================  ============================================  ==========================
 rule               operands                                      results
 =================  ============================================  ==========================
-``forward``        all inputs                                    all outputs
-``jvp``            all inputs, tangents of differentiable ones   tangents of float outputs
-``vjp``            all inputs, cotangents of float outputs       cotangents of diff. inputs
-``transpose``      non-differentiable inputs, cotangents         cotangents of diff. inputs
+``forward``        all input leaves                              all output leaves
+``jvp``            all input leaves, tangents of diff. leaves    tangents of float leaves
+``vjp``            all input leaves, cotangents of float leaves  cotangents of diff. leaves
+``transpose``      non-differentiable inputs, cotangents         cotangents of diff. leaves
 ``transpose_wrt``  all inputs but ``wrt``, cotangents            cotangent of ``wrt``
 =================  ============================================  ==========================
 
-"Differentiable" means floating or complex and not listed in ``nondiff=``;
-"float outputs" are the floating or complex ones.
+"Differentiable" means floating or complex and not in an input listed in
+``nondiff=``; "float" outputs are the floating or complex ones.
+
+The user's rule sees *arguments*, not leaves: a :class:`Group` says how one
+argument is rebuilt from flat operands (and one result flattened back). The
+arity of a rule follows its differentiable values (API.md §8): ``@jvp`` gets
+one tangent per input with a differentiable leaf and returns one per output
+with a float leaf, bare when there is exactly one; inside a tangent pytree a
+leaf that has no tangent (an integer leaf) is ``None``.
 """
 
 from __future__ import annotations
@@ -40,14 +48,48 @@ def aval_of(x) -> Aval:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
-    """The op's signature at one set of primal input shapes/dtypes."""
+class TreeAval:
+    """The signature of a pytree input: its structure and its leaves' avals.
 
-    inputs: tuple  # Avals of the primal inputs
-    outputs: tuple  # Avals of the forward outputs
-    single_output: bool  # @abstract returned one struct, not a tuple
-    diff: tuple  # per input: carries a tangent
-    float_out: tuple  # per output: carries a tangent
+    An entry of the primitive's ``primals`` parameter; an array input's entry
+    is its plain :data:`Aval`.
+    """
+
+    tree: object  # jax.tree_util.PyTreeDef
+    leaves: tuple  # Avals
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """One argument (or result) of a rule and the flat values it is made of.
+
+    `tree` is None for a bare array (one slot). `slots` holds, per leaf of
+    `tree`, the index of its flat operand (or result), or -1 for a leaf that
+    has no value there (``None`` in a tangent pytree).
+    """
+
+    tree: object
+    slots: tuple
+
+
+def _bare(slot: int) -> Group:
+    return Group(None, (slot,))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The op's signature at one set of primal inputs: flat leaves and their grouping."""
+
+    inputs: tuple  # Avals of the primal input leaves
+    outputs: tuple  # Avals of the forward output leaves
+    single_output: bool  # @abstract returned one value (array or pytree), not a tuple
+    diff: tuple  # per input leaf: carries a tangent
+    float_out: tuple  # per output leaf: carries a tangent
+    in_groups: tuple  # per input argument: its Group over input leaves
+    out_groups: tuple  # per output: its Group over output leaves
+    input_names: tuple  # per input leaf, for messages: "x" or "params['a']"
+    output_names: tuple  # per output leaf: "output", "output 1" or "output['a']"
+    leaf_param: tuple  # per input leaf: index of its argument
 
     @property
     def diff_indices(self) -> tuple:
@@ -57,79 +99,175 @@ class Layout:
     def float_out_indices(self) -> tuple:
         return tuple(i for i, f in enumerate(self.float_out) if f)
 
+    @property
+    def structured(self) -> bool:
+        """Some argument or output is a pytree rather than an array."""
+        return any(g.tree is not None for g in self.in_groups + self.out_groups)
+
 
 @dataclasses.dataclass(frozen=True)
 class RuleIO:
-    """Operands and results of one rule, with names for messages."""
+    """Operands and results of one rule: flat names and avals, and their grouping."""
 
-    in_names: tuple
-    out_names: tuple
-    out_avals: tuple
-    single_result: bool  # the rule returns one array rather than a tuple
-    real_results: tuple  # per result: a real cotangent (a complex return keeps .real)
+    in_names: tuple  # per flat operand
+    out_names: tuple  # per flat result
+    out_avals: tuple  # per flat result
+    single_result: bool  # the rule returns one value (array or pytree) rather than a tuple
+    real_results: tuple  # per flat result: a real cotangent (a complex return keeps .real)
+    args: tuple = ()  # Groups: how the rule's arguments are built from operands
+    results: tuple = ()  # Groups: how its return value maps to flat results
+    structured: bool = False  # some group is a pytree: see jaxdecl._structure
+    zeros_ok: bool = False  # None stands for a zero result (cotangents)
+
+
+def _label(name: str, path) -> str:
+    return name + jax.tree_util.keystr(tuple(path)) if path else name
+
+
+def _flatten_structs(value, what: str, context: str):
+    """Leaves and treedef of a pytree of ShapeDtypeStructs returned by @abstract."""
+    with_paths, tree = jax.tree_util.tree_flatten_with_path(value)
+    if jax.tree_util.treedef_is_leaf(tree):
+        return [((), value)], None
+    if not with_paths:
+        raise RuleError(f"{context} returned {what} with no arrays in it ({value!r:.80})")
+    return with_paths, tree
 
 
 def compute_layout(spec, instance, inputs: tuple) -> Layout:
-    """Runs @abstract on `inputs` and validates what it returns."""
+    """Runs @abstract on `inputs` (Avals or TreeAvals) and validates what it returns."""
     rule = spec.rules["abstract"]
-    structs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in inputs]
+    context = f"{spec.name}.{rule.name} (@abstract)"
+    leaves, in_groups, names, leaf_param = [], [], [], []
+    structs = []
+    for index, (name, entry) in enumerate(zip(spec.params, inputs)):
+        if isinstance(entry, TreeAval):
+            start = len(leaves)
+            leaves.extend(entry.leaves)
+            in_groups.append(Group(entry.tree, tuple(range(start, len(leaves)))))
+            paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(
+                entry.tree.unflatten([0] * len(entry.leaves)))[0]]
+            names.extend(_label(name, p) for p in paths)
+            leaf_param.extend([index] * len(entry.leaves))
+            structs.append(entry.tree.unflatten(
+                [jax.ShapeDtypeStruct(s, d) for s, d in entry.leaves]))
+        else:
+            in_groups.append(_bare(len(leaves)))
+            leaves.append(entry)
+            names.append(name)
+            leaf_param.append(index)
+            structs.append(jax.ShapeDtypeStruct(*entry))
     result = rule.bind(instance)(*structs)
-    single = not isinstance(result, (tuple, list))
+    single = type(result) not in (tuple, list)
     results = (result,) if single else tuple(result)
     if not results:
-        raise RuleError(f"{spec.name}.{rule.name} (@abstract) returned no outputs")
-    outputs = []
-    for index, struct in enumerate(results):
-        if not (hasattr(struct, "shape") and hasattr(struct, "dtype")):
-            raise RuleError(
-                f"{spec.name}.{rule.name} (@abstract) must return jax.ShapeDtypeStruct or a "
-                f"tuple of them; output {index} is {type(struct).__name__}"
-            )
-        shape = getattr(struct, "shape", None)
-        if not isinstance(shape, (tuple, list)) or \
-                not all(isinstance(d, (int, np.integer)) and d >= 0 for d in shape):
-            raise RuleError(
-                f"{spec.name}.{rule.name} (@abstract) returned shape {shape} for output {index}; "
-                f"every dimension must be a non-negative int (jaxdecl has no dynamic shapes)"
-            )
-        shape, dtype = aval_of(struct)
-        shape = tuple(int(d) for d in shape)
-        _dtypes.check_supported(dtype, f"{spec.name}.{rule.name} (@abstract) output {index}")
-        outputs.append((shape, dtype))
+        raise RuleError(f"{context} returned no outputs")
+    outputs, out_groups, out_names = [], [], []
+    for index, value in enumerate(results):
+        base = "output" if single else f"output {index}"
+        with_paths, tree = _flatten_structs(value, base, context)
+        start = len(outputs)
+        for path, struct in with_paths:
+            label = _label(base, path)
+            outputs.append(_output_aval(struct, label, context))
+            out_names.append(label)
+        out_groups.append(Group(tree, tuple(range(start, len(outputs)))))
     diff = tuple(
-        _dtypes.is_differentiable(dtype) and name not in spec.nondiff
-        for name, (_, dtype) in zip(spec.params, inputs)
+        _dtypes.is_differentiable(dtype) and spec.params[p] not in spec.nondiff
+        for p, (_, dtype) in zip(leaf_param, leaves)
     )
     float_out = tuple(_dtypes.is_differentiable(dtype) for _, dtype in outputs)
-    return Layout(tuple(inputs), tuple(outputs), single, diff, float_out)
+    layout = Layout(tuple(leaves), tuple(outputs), single, diff, float_out, tuple(in_groups),
+                    tuple(out_groups), tuple(names), tuple(out_names), tuple(leaf_param))
+    if layout.structured and spec.multilinear and any(g.tree is not None for g in in_groups):
+        raise RuleError(
+            f"{spec.name} is multilinear=True: its inputs must be arrays, not pytrees "
+            f"(it is linear in each input separately, so each is one array)")
+    return layout
+
+
+def _output_aval(struct, label: str, context: str) -> Aval:
+    if not (hasattr(struct, "shape") and hasattr(struct, "dtype")):
+        raise RuleError(
+            f"{context} must return jax.ShapeDtypeStruct, a pytree of them or a tuple of "
+            f"those; {label} is {type(struct).__name__}"
+        )
+    shape = getattr(struct, "shape", None)
+    if not isinstance(shape, (tuple, list)) or \
+            not all(isinstance(d, (int, np.integer)) and d >= 0 for d in shape):
+        raise RuleError(
+            f"{context} returned shape {shape} for {label}; every dimension must be a "
+            f"non-negative int (jaxdecl has no dynamic shapes)"
+        )
+    shape, dtype = aval_of(struct)
+    _dtypes.check_supported(dtype, f"{context} {label}")
+    return tuple(int(d) for d in shape), dtype
+
+
+def _tangent_groups(groups, has_tangent, first_slot: int) -> tuple:
+    """Groups of the tangents of `groups` (those with any tangent-carrying leaf).
+
+    Tangent-carrying leaves take consecutive slots from `first_slot` in leaf
+    order; the others are -1 (``None`` in the rule's pytree).
+    """
+    position = {leaf: first_slot + k
+                for k, leaf in enumerate(i for i, f in enumerate(has_tangent) if f)}
+    return tuple(Group(g.tree, tuple(position.get(s, -1) for s in g.slots))
+                 for g in groups if any(has_tangent[s] for s in g.slots))
 
 
 def rule_io(spec, layout: Layout, rule: str, wrt: int) -> RuleIO:
     """The operands/results of `rule` at `layout` (see the module table)."""
-    params = spec.params
-    out_label = ("output",) if layout.single_output else tuple(
-        f"output {i}" for i in range(len(layout.outputs)))
-    float_outs = layout.float_out_indices
-    cts = tuple(f"cotangent of {out_label[j]}" for j in float_outs)
-    diff = layout.diff_indices
+    n = len(layout.inputs)
+    diff, float_outs = layout.diff_indices, layout.float_out_indices
+    params = layout.in_groups
+    structured = layout.structured
     if rule == FORWARD:
-        return RuleIO(params, out_label, layout.outputs, layout.single_output,
-                      (False,) * len(layout.outputs))
+        return RuleIO(layout.input_names, layout.output_names, layout.outputs,
+                      layout.single_output, (False,) * len(layout.outputs),
+                      params, layout.out_groups, structured)
     if rule == JVP:
-        names = params + tuple(f"tangent of {params[i]}" for i in diff)
-        outs = tuple(f"tangent of {out_label[j]}" for j in float_outs)
-        return RuleIO(names, outs, tuple(layout.outputs[j] for j in float_outs),
-                      layout.single_output, (False,) * len(outs))
+        tangents = _tangent_groups(params, layout.diff, n)
+        results = _tangent_groups(layout.out_groups, layout.float_out, 0)
+        in_names = layout.input_names + tuple(f"tangent of {layout.input_names[i]}" for i in diff)
+        out_names = tuple(f"tangent of {layout.output_names[j]}" for j in float_outs)
+        return RuleIO(in_names, out_names, tuple(layout.outputs[j] for j in float_outs),
+                      len(results) == 1, (False,) * len(out_names),
+                      params + tangents, results, structured)
     if rule in (VJP, TRANSPOSE):
-        lead = params if rule == VJP else tuple(
-            p for i, p in enumerate(params) if not layout.diff[i])
-        outs = tuple(f"cotangent of {params[i]}" for i in diff)
+        ct_names = tuple(f"cotangent of {layout.output_names[j]}" for j in float_outs)
+        if rule == VJP:
+            lead = params
+            lead_names = layout.input_names
+        else:
+            lead, position = [], 0
+            for g in params:
+                if any(layout.diff[s] for s in g.slots):
+                    if not all(layout.diff[s] for s in g.slots):
+                        raise RuleError(
+                            f"{spec.name} is linear=True, but input "
+                            f"{spec.params[layout.leaf_param[g.slots[0]]]!r} mixes "
+                            f"differentiable and integer (or nondiff) leaves; pass the "
+                            f"integer leaves as a separate nondiff= input")
+                    continue
+                lead.append(Group(g.tree, tuple(range(position, position + len(g.slots)))))
+                position += len(g.slots)
+            lead = tuple(lead)
+            lead_names = tuple(layout.input_names[i] for i in range(n) if not layout.diff[i])
+        cts = _tangent_groups(layout.out_groups, layout.float_out, len(lead_names))
+        groups = _tangent_groups(params, layout.diff, 0)
         avals = tuple(layout.inputs[i] for i in diff)
         real = tuple(not np.issubdtype(dtype, np.complexfloating) for _, dtype in avals)
-        return RuleIO(lead + cts, outs, avals, len(outs) == 1, real)
-    if rule == TRANSPOSE_WRT:
-        lead = tuple(p for i, p in enumerate(params) if i != wrt)
+        out_names = tuple(f"cotangent of {layout.input_names[i]}" for i in diff)
+        return RuleIO(lead_names + ct_names, out_names, avals, len(groups) == 1, real,
+                      tuple(lead) + cts, groups, structured, zeros_ok=True)
+    if rule == TRANSPOSE_WRT:  # multilinear ops take arrays only (see compute_layout)
+        lead = tuple(p for i, p in enumerate(layout.input_names) if i != wrt)
+        cts = tuple(f"cotangent of {layout.output_names[j]}" for j in float_outs)
         aval = layout.inputs[wrt]
-        return RuleIO(lead + cts, (f"cotangent of {params[wrt]}",), (aval,), True,
-                      (not np.issubdtype(aval[1], np.complexfloating),))
+        args = tuple(_bare(k) for k in range(len(lead))) + _tangent_groups(
+            layout.out_groups, layout.float_out, len(lead))
+        return RuleIO(lead + cts, (f"cotangent of {layout.input_names[wrt]}",), (aval,), True,
+                      (not np.issubdtype(aval[1], np.complexfloating),), args, (_bare(0),),
+                      structured, zeros_ok=True)
     raise ValueError(f"unknown rule {rule!r}")  # pragma: no cover - internal

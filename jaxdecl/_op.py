@@ -33,13 +33,15 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from . import _compat, _dtypes, _eager, _fingerprint, _layout, _runtime
+from . import _compat, _dtypes, _eager, _fingerprint, _layout, _runtime, _structure
 from ._cfunction import CFunction
 from ._errors import missing_rule
 from ._layout import FORWARD, TRANSPOSE, TRANSPOSE_WRT
@@ -125,6 +127,11 @@ class OpHandle:
             return _runtime.register_c(fingerprint, name, user.function)
         io = _layout.rule_io(spec, self.layout(primals, instance), rule, wrt)
         function, ref = _runtime.weak_binding(user, instance)
+        if io.structured:
+            # The rule takes and returns pytrees; the kernel deals in flat arrays.
+            function = _structure.structured_rule(
+                function, io, user.zero_copy, name, n_head=0 if ref is None else 1)
+            io = dataclasses.replace(io, single_result=False)
         if user.kind == "adjoint":
             n_lead = len(io.in_names) - sum(self.layout(primals, instance).float_out)
             function = _runtime.transpose_from_adjoint(
@@ -141,16 +148,19 @@ class OpHandle:
         Converts NumPy arrays and scalars to JAX arrays; the call is cached by
         the operands' (shape, dtype), which is what :func:`apply_op` looks up.
         """
-        spec = self.spec
-        operands = [_as_operand(a, spec, n) for a, n in zip(args, spec.params)]
-        primals = tuple((tuple(x.shape), x.dtype) for x in operands)
+        operands, primals = flatten_inputs(self.spec, args)
         call = self.eager_calls.get(primals)
         pin = call.kernel.pin() if call is not None else None
         if pin is None:
             layout = self.layout(primals, instance)
-            in_shapes = tuple(shape for shape, _ in primals)
+            in_shapes = tuple(shape for shape, _ in layout.inputs)
             kernel, pin = self.kernel(instance, FORWARD, -1, primals, (), in_shapes)
-            call = _eager.Call(kernel, layout.outputs, layout.single_output)
+            if layout.structured:
+                call = _eager.Call(kernel, layout.outputs, False,
+                                   rebuild=lambda outs, groups=layout.out_groups,
+                                   single=layout.single_output: rebuild(groups, single, outs))
+            else:
+                call = _eager.Call(kernel, layout.outputs, layout.single_output)
             self.eager_calls[primals] = call
         return call, operands, pin
 
@@ -195,18 +205,14 @@ class BoundOp:
         """``(kernel, pin)``, see :meth:`OpHandle.kernel`."""
         return self.handle.kernel(self.instance, rule, wrt, primals, batch, in_shapes)
 
-    def traceable(self, rule: str):
+    def traceable(self, rule: str, primals: tuple):
         """The traceable (JAX-valued) form of jvp/vjp as ``f(*operands) -> list``, or None."""
         found = self.spec.rules.get(rule)
         if found is None or not found.traceable:
             return None
-        function = found.bind(self.instance)
-
-        def evaluate(*operands):
-            result = function(*operands)
-            return list(result) if isinstance(result, (tuple, list)) else [result]
-
-        return evaluate
+        return _structure.traceable_rule(
+            found.bind(self.instance), self.rule_io(primals, rule, -1),
+            f"{self.spec.name}.{found.name} (@{found.kind})")
 
 
 _compat.hold_weakly_in_caches(BoundOp)
@@ -372,7 +378,7 @@ def handle_of(instance) -> OpHandle:
 # ---------------------------------------------------------------------------------------
 
 def _as_operand(value, spec, name):
-    if isinstance(value, (_compat.Tracer, jax.Array)):
+    if isinstance(value, _ARRAYS):
         operand = value
     else:
         try:
@@ -388,13 +394,59 @@ def _as_operand(value, spec, name):
     return operand
 
 
+_ARRAYS = (_compat.Tracer, jax.Array)
+_LEAVES = (_compat.Tracer, jax.Array, np.ndarray, np.generic, int, float, complex, bool)
+
+
+def flatten_inputs(spec, args) -> tuple:
+    """``(operands, primals)``: the op's arguments as flat JAX arrays, and its signature.
+
+    An array (or scalar) argument is one operand with a ``(shape, dtype)``
+    entry; a pytree argument contributes its leaves, with a
+    :class:`~jaxdecl._layout.TreeAval` entry that remembers its structure.
+    """
+    operands, primals = [], []
+    for value, name in zip(args, spec.params):
+        if isinstance(value, _LEAVES) or value is None:  # None: the error of _as_operand
+            operand = _as_operand(value, spec, name)
+            operands.append(operand)
+            primals.append((tuple(operand.shape), operand.dtype))
+            continue
+        leaves, tree = jax.tree_util.tree_flatten(value)
+        if jax.tree_util.treedef_is_leaf(tree):  # a string, a callable, an object
+            operand = _as_operand(value, spec, name)
+            operands.append(operand)
+            primals.append((tuple(operand.shape), operand.dtype))
+            continue
+        paths = None
+        avals = []
+        for index, leaf in enumerate(leaves):
+            if not isinstance(leaf, _LEAVES):
+                if paths is None:
+                    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(value)[0]]
+                leaf = _as_operand(leaf, spec, name + jax.tree_util.keystr(paths[index]))
+            else:
+                leaf = _as_operand(leaf, spec, name)
+            operands.append(leaf)
+            avals.append((tuple(leaf.shape), leaf.dtype))
+        primals.append(_layout.TreeAval(tree, tuple(avals)))
+    return operands, tuple(primals)
+
+
+def rebuild(groups, single: bool, outs):
+    """The op's return value from its flat outputs: arrays and pytrees as @abstract said."""
+    values = [outs[g.slots[0]] if g.tree is None else g.tree.unflatten([outs[s] for s in g.slots])
+              for g in groups]
+    return values[0] if single else tuple(values)
+
+
 def bind_forward(op: BoundOp, args) -> object:
-    """Binds the forward rule on JAX values; returns an array or a tuple of them."""
-    spec = op.spec
-    operands = [_as_operand(a, spec, n) for a, n in zip(args, spec.params)]
-    primals = tuple(_layout.aval_of(x) for x in operands)
+    """Binds the forward rule on JAX values; returns its result(s) as @abstract declared."""
+    operands, primals = flatten_inputs(op.spec, args)
     layout = op.layout(primals)
     outs = bind_rule(op, FORWARD, operands, primals, ())
+    if layout.structured:
+        return rebuild(layout.out_groups, layout.single_output, outs)
     return outs[0] if layout.single_output else tuple(outs)
 
 

@@ -7,7 +7,8 @@ parameters say which:
 - ``rule``: ``forward``, ``jvp``, ``vjp``, ``transpose`` or ``transpose_wrt``
   (operand orders in :mod:`jaxdecl._layout`);
 - ``wrt``: the input index of a multilinear ``transpose_wrt`` (else -1);
-- ``primals``: (shape, dtype) of the op's primal inputs, per batch element;
+- ``primals``: per primal input, its (shape, dtype) per batch element, or for a
+  pytree input a :class:`~jaxdecl._layout.TreeAval` (operands are its leaves);
 - ``batch``: leading batch dimensions every operand and result carries
   (operands may have size 1 there, broadcasting; results never do).
 
@@ -68,7 +69,7 @@ def _out_avals(op, rule, wrt, primals, batch) -> tuple:
 
 def _impl(*args, op, rule, wrt, primals, batch):
     """Eager evaluation (e.g. inside an un-jitted jax.jvp), through the shared executable."""
-    traceable = op.traceable(rule)
+    traceable = op.traceable(rule, primals)
     if traceable is not None:
         return broadcast_vmapped(traceable, batch, len(args))(*args)
     op.user_rule(rule, wrt)  # raises MissingRuleError before anything runs
@@ -89,7 +90,7 @@ def _abstract_eval(*avals, op, rule, wrt, primals, batch):
 
 
 def _lowering(ctx, *args, op, rule, wrt, primals, batch):
-    traceable = op.traceable(rule)
+    traceable = op.traceable(rule, primals)
     if traceable is not None:
         evaluate = broadcast_vmapped(traceable, batch, len(args))
         return _compat.mlir.lower_fun(evaluate, multiple_results=True)(ctx, *args)

@@ -112,6 +112,9 @@ def _store(results, outs, io: RuleIO, context: str, batch_rank: int = 0) -> None
             f"({', '.join(io.out_names)})"
         )
     for index, (value, out) in enumerate(zip(results, outs)):
+        if value is None and io.zeros_ok:  # a zero cotangent (API.md §8)
+            out[...] = 0
+            continue
         value = np.asarray(value)
         if value.shape != out.shape and not _broadcasts(value.shape, out.shape, batch_rank):
             batch = (f" (with batch dimensions {out.shape[:batch_rank]} in front)"
@@ -159,8 +162,8 @@ def transpose_from_adjoint(function, zero_copy: bool, n_lead: int,
             return result
         result = function(*args)
         if isinstance(result, (tuple, list)):
-            return tuple(np.conj(r) for r in result)
-        return np.conj(result)
+            return tuple(None if r is None else np.conj(r) for r in result)
+        return None if result is None else np.conj(result)
 
     return transpose
 
