@@ -39,7 +39,7 @@ import weakref
 import jax
 import jax.numpy as jnp
 
-from . import _compat, _dtypes, _eager, _fingerprint, _layout, _runtime
+from . import _compat, _dtypes, _eager, _fingerprint, _layout, _runtime, _sharding
 from ._cfunction import CFunction
 from ._errors import missing_rule
 from ._layout import FORWARD, TRANSPOSE, TRANSPOSE_WRT
@@ -64,6 +64,8 @@ class OpHandle:
         self.fingerprint = _claim_fingerprint(self, cls, items)
         self._layouts: dict = {}
         self._kernels: dict = {}
+        self._shardings: dict = {}  # primals -> _sharding.Resolved or None
+        self.declares_sharding = spec.sharding is not None or "sharding" in spec.rules
         self.eager_calls: dict = {}  # primals -> _eager.Call
 
     def __repr__(self) -> str:
@@ -75,6 +77,21 @@ class OpHandle:
             layout = _layout.compute_layout(self.spec, instance, primals)
             self._layouts[primals] = layout
         return layout
+
+    def sharding(self, primals: tuple, instance):
+        """The sharding declaration applied to `primals` (None: the op declares none)."""
+        if primals in self._shardings:
+            return self._shardings[primals]
+        spec = self.spec
+        resolved = None
+        if self.declares_sharding:
+            layout = self.layout(primals, instance)
+            rule = spec.sharding
+            if rule is None:
+                rule = _sharding.call_method(spec.rules["sharding"], instance, layout, spec.name)
+            resolved = _sharding.resolve(rule, layout, spec.params, spec.name)
+        self._shardings[primals] = resolved
+        return resolved
 
     def user_rule(self, rule: str, wrt: int = -1):
         """The Rule behind `rule`, or raise MissingRuleError naming what to add."""
@@ -190,6 +207,10 @@ class BoundOp:
 
     def user_rule(self, rule: str, wrt: int = -1):
         return self.handle.user_rule(rule, wrt)
+
+    def sharding(self, primals: tuple):
+        """See :meth:`OpHandle.sharding`."""
+        return self.handle.sharding(primals, self.instance)
 
     def kernel(self, rule: str, wrt: int, primals: tuple, batch: tuple, in_shapes: tuple):
         """``(kernel, pin)``, see :meth:`OpHandle.kernel`."""
