@@ -415,8 +415,22 @@ def bind_forward(op: BoundOp, args) -> object:
     operands = [_as_operand(a, spec, n) for a, n in zip(args, spec.params)]
     primals = tuple(_layout.aval_of(x) for x in operands)
     layout = op.layout(primals)
+    if op.handle.declares_sharding:
+        op.sharding(primals)  # a declaration that does not fit the inputs fails here, named
     outs = bind_rule(op, FORWARD, operands, primals, ())
     return outs[0] if layout.single_output else tuple(outs)
+
+
+def _spans_devices(args) -> bool:
+    return any(getattr(getattr(a, "sharding", None), "num_devices", 1) > 1 for a in args)
+
+
+def _forward_of(op, *args):
+    return bind_forward(op, args)
+
+
+# One jitted caller for every op: the op is a static argument, keyed by its handle.
+_sharded_forward = jax.jit(_forward_of, static_argnums=0)
 
 
 def _arguments(spec, args: tuple, kwargs: dict) -> tuple:
@@ -455,6 +469,9 @@ def apply_op(instance, args: tuple, kwargs: dict):
         args = _arguments(spec, args, kwargs)
     if not _compat.not_tracing():
         return bind_forward(BoundOp(handle, instance), args)
+    if handle.declares_sharding and _spans_devices(args):
+        # The shared single-device executable would gather; jit splits per shard.
+        return _sharded_forward(BoundOp(handle, instance), *args)
     try:
         call = handle.eager_calls[tuple([(a.shape, a.dtype) for a in args])]
         pin = call.kernel.pin()  # held until the call returns: the kernel's op stays alive
