@@ -10,7 +10,9 @@ import json
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+# 4 devices in one process; 2 in each of the two processes of `processes`.
+_DEVICES = os.environ.get("JAXDECL_TEST_DEVICES", "4")
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={_DEVICES}"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -326,12 +328,52 @@ def explicit() -> dict:
     return checks
 
 
-SCENARIOS = {"automatic": automatic, "explicit": explicit}
+def processes(port: str, process_id: str) -> dict:
+    """One of two processes (2 devices each) sharing a 4-device mesh via jax.distributed."""
+    process_id = int(process_id)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
+    checks = {"devices": (jax.device_count(), jax.local_device_count()) == (4, 2) or
+              f"{jax.device_count()} global, {jax.local_device_count()} local"}
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(AxisType.Auto,))
+    rows = slice(4 * process_id, 4 * process_id + 4)
+
+    def global_array(whole, spec, local):
+        return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), local,
+                                                      whole.shape)
+
+    def local_part(array):
+        shards = sorted(array.addressable_shards, key=lambda s: s.index[0].start or 0)
+        return np.concatenate([np.asarray(s.data) for s in shards])
+
+    x = _rng_array((8, 16), "complex128")
+    xs = global_array(x, P("d"), x[rows])
+    f = jax.jit(RowFFT())
+    checks["fft: no gather"] = _no_gather(f.lower(xs).compile().as_text())
+    checks["fft: local blocks"] = _all_shapes(_calls(f, xs), (2, 16))
+    checks["fft: value"] = _close(local_part(f(xs)), np.fft.fft(x[rows], axis=-1))
+    g = jax.jit(jax.grad(lambda v: jnp.sum(jnp.abs(RowFFT()(v)) ** 2)))
+    checks["fft grad: local blocks"] = _all_shapes(_calls(g, xs), (2, 16))
+    checks["fft grad: value"] = _close(local_part(g(xs)), 2 * 16 * np.conj(x[rows]))
+    # A contraction split across the processes: the partial sums cross them.
+    a, v = _rng_array((8, 12), "float64", 1), _rng_array((12,), "float64", 2)
+    cols = slice(6 * process_id, 6 * process_id + 6)
+    A = global_array(a, P(None, "d"), a[:, cols])
+    V = global_array(v, P("d"), v[cols])
+    m = jax.jit(MatVec())
+    checks["matvec: local blocks"] = _all_shapes(_calls(m, A, V), (8, 3))
+    result = m(A, V)
+    checks["matvec: value"] = _close(np.asarray(result.addressable_shards[0].data), a @ v)
+    jax.distributed.shutdown()
+    return checks
+
+
+SCENARIOS = {"automatic": automatic, "explicit": explicit, "processes": processes}
 
 
 def main(argv) -> None:
     jax.config.update("jax_enable_x64", True)
-    checks = SCENARIOS[argv[0]]()
+    checks = SCENARIOS[argv[0]](*argv[1:])
     print(json.dumps({"checks": {k: (v if v is True else str(v)) for k, v in checks.items()}}))
 
 

@@ -135,3 +135,34 @@ def test_multi_device(scenario):
     failed = {name: value for name, value in checks.items() if value is not True}
     assert not failed, failed
     assert len(checks) > 10
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_processes():
+    """A 4-device mesh over 2 processes (jax.distributed, gloo): each runs its own shards."""
+    port = str(_free_port())
+    env = subprocess_env(JAXDECL_TEST_DEVICES="2")
+    children = [subprocess.Popen([sys.executable, HELPER, "processes", port, str(i)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 env=env) for i in range(2)]
+    outputs = []
+    try:
+        for child in children:
+            stdout, stderr = child.communicate(timeout=300)
+            lines = [line for line in stdout.splitlines() if line.startswith("{")]
+            assert child.returncode == 0 and lines, stderr[-3000:]
+            outputs.append(json.loads(lines[-1])["checks"])
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+    for process, checks in enumerate(outputs):
+        failed = {name: value for name, value in checks.items() if value is not True}
+        assert not failed, (process, failed)
