@@ -34,11 +34,13 @@ from ._declare import (
     forward,
     jvp,
     primitive,
+    sharding,
     transpose,
     vjp,
 )
 from ._dtypes import SUPPORTED as SUPPORTED_DTYPES
 from ._errors import BufferEscapeError, DeclarationError, MissingRuleError, RuleError
+from ._sharding import ShardingRule
 
 __version__ = "0.1.0"
 
@@ -46,7 +48,8 @@ _compat.hide_frames(_os.path.dirname(__file__))
 
 __all__ = [
     "Primitive", "PrimitiveMeta", "primitive", "abstract", "forward", "jvp", "vjp",
-    "transpose", "adjoint", "batch", "check", "cfunction", "CFunction", "include_dir",
+    "transpose", "adjoint", "batch", "sharding", "ShardingRule", "check", "cfunction",
+    "CFunction", "include_dir",
     "SUPPORTED_DTYPES", "DeclarationError",
     "MissingRuleError", "RuleError", "BufferEscapeError",
 ]

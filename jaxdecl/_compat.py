@@ -32,7 +32,55 @@ __all__ = [
     "forbid_host_transfers", "restore_host_transfers", "float0_zero", "not_tracing",
     "hold_weakly_in_caches",
     "get_aval", "hide_frames",
+    "ShardingTypeError", "ShardingContext", "NamedSharding", "P", "psum", "custom_partitioning",
+    "sdy", "requires_devices_when_lowering", "vma_of", "insert_reshards", "sharded_aval",
 ]
+
+# --- sharding -----------------------------------------------------------------------------
+from jax._src.sharding_impls import ShardingContext  # noqa: E402
+from jax.experimental import custom_partitioning as sdy  # noqa: E402 - ArrayMapping, SdyShardingRule
+
+custom_partitioning = sdy.custom_partitioning
+NamedSharding = jax.sharding.NamedSharding
+P = jax.sharding.PartitionSpec
+psum = jax.lax.psum
+ShardingTypeError = _core.ShardingTypeError
+
+
+def requires_devices_when_lowering(primitive) -> None:
+    """Asks JAX to pass the device assignment to `primitive`'s lowering.
+
+    Without it a lowering over several devices cannot build the mesh that a
+    ``custom_partitioning`` call needs (JAX registers its own primitive so).
+    """
+    from jax._src import dispatch
+
+    dispatch.prim_requires_devices_during_lowering.add(primitive)
+
+
+def vma_of(name: str, avals) -> frozenset:
+    """The varying manual axes of a result inside ``shard_map`` (those of the operands)."""
+    return _core.standard_vma_rule(name, *avals)
+
+
+def insert_reshards(args) -> list:
+    """Makes the operands' varying manual axes agree before a bind (pvary where needed).
+
+    The inserted ``pvary`` transposes to a ``psum``: the gradient of an input
+    replicated across ``shard_map`` sums over the devices.
+    """
+    return list(_core.auto_insert_reshard(*args))
+
+
+def sharded_aval(shape, dtype, mesh, spec, varying=frozenset()):
+    """A ShapedArray whose type carries a sharding (explicit axes) or varying axes."""
+    from jax.core import ShapedArray
+
+    sharding = NamedSharding(mesh, P(*spec))
+    if varying:
+        return ShapedArray(shape, dtype, sharding=sharding,
+                           manual_axis_type=_core.ManualAxisType(varying=frozenset(varying)))
+    return ShapedArray(shape, dtype, sharding=sharding)
 
 
 #: True while no JAX trace is active (jit, vmap, grad, scan, eval_shape, ...).

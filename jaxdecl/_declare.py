@@ -16,8 +16,9 @@ from typing import Any
 from ._cfunction import CFunction
 from ._errors import DeclarationError
 from ._op import apply_op, spec_of  # noqa: F401 - spec_of re-exported
+from ._sharding import ShardingRule, from_options
 
-RULE_KINDS = ("abstract", "forward", "jvp", "vjp", "transpose", "adjoint", "batch")
+RULE_KINDS = ("abstract", "forward", "jvp", "vjp", "transpose", "adjoint", "batch", "sharding")
 _MARK = "__jaxdecl_rule__"
 BATCH_MODES = ("loop", "vectorized")
 
@@ -233,6 +234,33 @@ Example:
     [-1.0, -1.0]
 """)
 
+sharding = _make_decorator("sharding", """Marks the method that says how the op splits on devices.
+
+It sees the inputs as ``jax.ShapeDtypeStruct`` (as ``@abstract`` does) and
+returns a :class:`jd.ShardingRule`; use it when the rule depends on the
+configuration or the shapes, instead of the class options ``sharding=``,
+``replicate=`` and ``reduce=`` (API.md §7).
+
+Example:
+    >>> import jax, numpy as np, jaxdecl as jd
+    >>> class Cumsum(jd.Primitive):
+    ...     def __init__(self, axis):
+    ...         self.axis = axis
+    ...     @jd.abstract
+    ...     def shapes(self, x):
+    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    ...     @jd.forward
+    ...     def apply(self, x):
+    ...         return np.cumsum(x, axis=self.axis)
+    ...     @jd.sharding
+    ...     def split(self, x):
+    ...         dims = [f"d{i}" for i in range(x.ndim)]
+    ...         rule = " ".join(dims) + " -> " + " ".join(dims)
+    ...         return jd.ShardingRule(rule, replicate=(dims[self.axis],))
+    >>> Cumsum(1)(np.ones((2, 3))).tolist()
+    [[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]]
+""")
+
 
 @dataclasses.dataclass(frozen=True)
 class OpSpec:
@@ -246,6 +274,7 @@ class OpSpec:
     multilinear: bool
     nondiff: frozenset
     batch_mode: str
+    sharding: ShardingRule | None = None  # from the class options (else maybe @sharding)
 
     def rule(self, kind: str) -> Rule | None:
         return self.rules.get(kind)
@@ -256,7 +285,7 @@ class OpSpec:
         return f"{self.name}.{rule.name}" if rule else f"{self.name} (@{kind})"
 
 
-_OPTIONS = ("linear", "multilinear", "nondiff", "batch")
+_OPTIONS = ("linear", "multilinear", "nondiff", "batch", "sharding", "replicate", "reduce")
 
 
 def _input_names(cls_name: str, rule: Rule) -> tuple[str, ...]:
@@ -342,6 +371,8 @@ def build_spec(cls, options: dict[str, Any]) -> OpSpec:
     for rule in rules.values():
         if isinstance(rule.function, CFunction) and rule.kind in ("abstract", "batch"):
             raise DeclarationError(f"{name}: @{rule.kind} must be a Python method, not a C kernel")
+    if "sharding" in rules and isinstance(rules["sharding"].function, CFunction):
+        raise DeclarationError(f"{name}: @sharding must be a Python method, not a C kernel")
     for kind in ("forward", "abstract"):
         if kind not in rules:
             raise DeclarationError(
@@ -425,10 +456,22 @@ def build_spec(cls, options: dict[str, Any]) -> OpSpec:
             )
     if "batch" in rules and rules["batch"].zero_copy:
         raise DeclarationError(f"{name}.{rules['batch'].name}: @batch rules cannot take `out`")
+    declared = from_options(name, options, params)
+    if declared is not None and "sharding" in rules:
+        raise DeclarationError(
+            f"{name}: give sharding= or a @jd.sharding method ({rules['sharding'].name}), not both")
+    if "sharding" in rules:
+        if rules["sharding"].zero_copy:
+            raise DeclarationError(f"{name}.{rules['sharding'].name}: @sharding cannot take `out`")
+        method_params = _input_names(name, rules["sharding"])
+        if method_params != params:
+            raise DeclarationError(
+                f"{name}.{rules['sharding'].name} (@sharding) takes inputs {method_params}, but "
+                f"the op's inputs are {params}; they must match")
 
     return OpSpec(
         name=name, params=params, rules=rules, transposes_wrt=transposes_wrt, linear=linear,
-        multilinear=multilinear, nondiff=nondiff, batch_mode=batch_mode,
+        multilinear=multilinear, nondiff=nondiff, batch_mode=batch_mode, sharding=declared,
     )
 
 

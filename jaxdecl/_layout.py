@@ -59,6 +59,21 @@ class TreeAval:
     leaves: tuple  # Avals
 
 
+def primal_leaves(primals: tuple) -> list:
+    """The Avals of every leaf of `primals` (entries: Avals or TreeAvals), in order."""
+    leaves = []
+    for entry in primals:
+        leaves.extend(entry.leaves if isinstance(entry, TreeAval) else (entry,))
+    return leaves
+
+
+def with_leaves(primals: tuple, leaves) -> tuple:
+    """`primals` with its leaves' Avals replaced by `leaves` (same order and count)."""
+    leaves = iter(leaves)
+    return tuple(TreeAval(e.tree, tuple(next(leaves) for _ in e.leaves))
+                 if isinstance(e, TreeAval) else next(leaves) for e in primals)
+
+
 @dataclasses.dataclass(frozen=True)
 class Group:
     """One argument (or result) of a rule and the flat values it is made of.
@@ -98,6 +113,12 @@ class Layout:
     @property
     def float_out_indices(self) -> tuple:
         return tuple(i for i, f in enumerate(self.float_out) if f)
+
+    def input_structs(self) -> list:
+        """The inputs as @abstract sees them: ShapeDtypeStructs, in pytrees where given."""
+        structs = [jax.ShapeDtypeStruct(s, d) for s, d in self.inputs]
+        return [structs[g.slots[0]] if g.tree is None else
+                g.tree.unflatten([structs[s] for s in g.slots]) for g in self.in_groups]
 
     @property
     def structured(self) -> bool:

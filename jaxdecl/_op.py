@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat, _dtypes, _eager, _fingerprint, _layout, _runtime, _structure
+from . import _compat, _dtypes, _eager, _fingerprint, _layout, _runtime, _sharding, _structure
 from ._cfunction import CFunction
 from ._errors import missing_rule
 from ._layout import FORWARD, TRANSPOSE, TRANSPOSE_WRT
@@ -66,6 +66,8 @@ class OpHandle:
         self.fingerprint = _claim_fingerprint(self, cls, items)
         self._layouts: dict = {}
         self._kernels: dict = {}
+        self._shardings: dict = {}  # primals -> _sharding.Resolved or None
+        self.declares_sharding = spec.sharding is not None or "sharding" in spec.rules
         self.eager_calls: dict = {}  # primals -> _eager.Call
 
     def __repr__(self) -> str:
@@ -77,6 +79,21 @@ class OpHandle:
             layout = _layout.compute_layout(self.spec, instance, primals)
             self._layouts[primals] = layout
         return layout
+
+    def sharding(self, primals: tuple, instance):
+        """The sharding declaration applied to `primals` (None: the op declares none)."""
+        if primals in self._shardings:
+            return self._shardings[primals]
+        spec = self.spec
+        resolved = None
+        if self.declares_sharding:
+            layout = self.layout(primals, instance)
+            rule = spec.sharding
+            if rule is None:
+                rule = _sharding.call_method(spec.rules["sharding"], instance, layout, spec.name)
+            resolved = _sharding.resolve(rule, layout, spec.params, spec.name)
+        self._shardings[primals] = resolved
+        return resolved
 
     def user_rule(self, rule: str, wrt: int = -1):
         """The Rule behind `rule`, or raise MissingRuleError naming what to add."""
@@ -200,6 +217,10 @@ class BoundOp:
 
     def user_rule(self, rule: str, wrt: int = -1):
         return self.handle.user_rule(rule, wrt)
+
+    def sharding(self, primals: tuple):
+        """See :meth:`OpHandle.sharding`."""
+        return self.handle.sharding(primals, self.instance)
 
     def kernel(self, rule: str, wrt: int, primals: tuple, batch: tuple, in_shapes: tuple):
         """``(kernel, pin)``, see :meth:`OpHandle.kernel`."""
@@ -444,10 +465,24 @@ def bind_forward(op: BoundOp, args) -> object:
     """Binds the forward rule on JAX values; returns its result(s) as @abstract declared."""
     operands, primals = flatten_inputs(op.spec, args)
     layout = op.layout(primals)
+    if op.handle.declares_sharding:
+        op.sharding(primals)  # a declaration that does not fit the inputs fails here, named
     outs = bind_rule(op, FORWARD, operands, primals, ())
     if layout.structured:
         return rebuild(layout.out_groups, layout.single_output, outs)
     return outs[0] if layout.single_output else tuple(outs)
+
+
+def _spans_devices(args) -> bool:
+    return any(getattr(getattr(a, "sharding", None), "num_devices", 1) > 1 for a in args)
+
+
+def _forward_of(op, *args):
+    return bind_forward(op, args)
+
+
+# One jitted caller for every op: the op is a static argument, keyed by its handle.
+_sharded_forward = jax.jit(_forward_of, static_argnums=0)
 
 
 def _arguments(spec, args: tuple, kwargs: dict) -> tuple:
@@ -486,6 +521,9 @@ def apply_op(instance, args: tuple, kwargs: dict):
         args = _arguments(spec, args, kwargs)
     if not _compat.not_tracing():
         return bind_forward(BoundOp(handle, instance), args)
+    if handle.declares_sharding and _spans_devices(args):
+        # The shared single-device executable would gather; jit splits per shard.
+        return _sharded_forward(BoundOp(handle, instance), *args)
     try:
         call = handle.eager_calls[tuple([(a.shape, a.dtype) for a in args])]
         pin = call.kernel.pin()  # held until the call returns: the kernel's op stays alive

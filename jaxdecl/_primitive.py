@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import ShapedArray
 
-from . import _compat, _eager, _runtime
+from . import _compat, _eager, _partition, _runtime, _sharding
 
 jaxdecl_p = _compat.Primitive("jaxdecl_call")
 jaxdecl_p.multiple_results = True
@@ -44,6 +44,9 @@ jaxdecl_p.multiple_results = True
 
 def bind_rule(op, rule: str, operands, primals: tuple, batch: tuple, wrt: int = -1) -> list:
     """Binds one rule of `op` on JAX values; returns its results."""
+    # Inside shard_map, operands that vary over fewer manual axes than others are
+    # cast (pvary) first; transposed, that sums a replicated input's gradient.
+    operands = _compat.insert_reshards(operands)
     return jaxdecl_p.bind(*operands, op=op, rule=rule, wrt=wrt, primals=primals, batch=batch)
 
 
@@ -86,7 +89,53 @@ def _abstract_eval(*avals, op, rule, wrt, primals, batch):
     if len(avals) != len(io.in_names):  # pragma: no cover - internal invariant
         raise ValueError(f"{op}: rule {rule} got {len(avals)} operands, "
                          f"expected {len(io.in_names)}")
-    return [ShapedArray(batch + shape, dtype) for shape, dtype in io.out_avals]
+    shapes = [(batch + shape, dtype) for shape, dtype in io.out_avals]
+    mesh = _mesh_of(avals)
+    if mesh is None:
+        return [ShapedArray(shape, dtype) for shape, dtype in shapes]
+    if mesh.are_all_axes_manual:  # inside shard_map: results vary as the operands do
+        varying = _compat.vma_of(jaxdecl_p.name, avals)
+        return [_compat.sharded_aval(shape, dtype, mesh, (None,) * len(shape), varying)
+                for shape, dtype in shapes]
+    specs = [tuple(a.sharding.spec) + (None,) * (a.ndim - len(a.sharding.spec)) for a in avals]
+    if not any(any(entry is not None for entry in spec) for spec in specs):
+        return [ShapedArray(shape, dtype) for shape, dtype in shapes]
+    resolved = op.sharding(primals)
+    if resolved is None:  # no declaration: XLA gathers the inputs, results are whole
+        return [ShapedArray(shape, dtype) for shape, dtype in shapes]
+    factors = _sharding.rule_factors(resolved, op.layout(primals), rule, wrt, batch,
+                                     tuple(tuple(a.shape) for a in avals))
+    plan = _partition.plan(factors, specs, dict(mesh.shape), strict=True,
+                           describe=lambda *where: _refusal(op, io, rule, *where))
+    return [_compat.sharded_aval(shape, dtype, mesh, spec)
+            for (shape, dtype), spec in zip(shapes, plan.result_specs)]
+
+
+def _mesh_of(avals):
+    """The (abstract) mesh the operands' types refer to, or None."""
+    for aval in avals:
+        mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty:
+            return mesh
+    return None
+
+
+_WHY = {
+    "replicate": "the op needs that factor whole (replicate=)",
+    "conflict": "another input splits that factor over other mesh axes",
+    "axis taken": "those mesh axes already split another factor",
+    "uneven": "the mesh axes do not divide its size",
+}
+
+
+def _refusal(op, io, rule, operand, dim, factor, why, axes) -> str:
+    name = io.in_names[operand]
+    factor = "a vmap dim" if factor.startswith("#") else f"factor {factor!r}"
+    where = "" if rule == "forward" else f" (in its {rule} rule)"
+    return (f"{op.spec.name}{where}: input {name!r} is sharded along dim {dim} ({factor}) over "
+            f"mesh axes {axes}, but {_WHY[why]}. Reshard it with that dim unsharded first, "
+            f"e.g. jax.sharding.reshard(x, P(..., None, ...)) (or declare the factor "
+            f"independent if the rule may run on slices of it)")
 
 
 def _lowering(ctx, *args, op, rule, wrt, primals, batch):
@@ -96,6 +145,13 @@ def _lowering(ctx, *args, op, rule, wrt, primals, batch):
         return _compat.mlir.lower_fun(evaluate, multiple_results=True)(ctx, *args)
     op.user_rule(rule, wrt)  # raises MissingRuleError before anything runs
     in_shapes = tuple(tuple(aval.shape) for aval in ctx.avals_in)
+    if _partition.wants_partitioning(ctx):
+        resolved = op.sharding(primals)
+        if resolved is not None:
+            factors = _sharding.rule_factors(resolved, op.layout(primals), rule, wrt, batch,
+                                             in_shapes)
+            return _partition.lower(ctx, args, op=op, rule=rule, wrt=wrt, primals=primals,
+                                    batch=batch, factors=factors, bind=bind_rule)
     kernel, pin = op.kernel(rule, wrt, primals, batch, in_shapes)
     # The executable keeps the kernel, and the op instance it calls, for as
     # long as it lives; the HLO names the kernel by fingerprint alone.
@@ -108,5 +164,6 @@ def _lowering(ctx, *args, op, rule, wrt, primals, batch):
 _ffi_lowering = jax.ffi.ffi_lowering(_runtime.TARGET, has_side_effect=False)
 
 jaxdecl_p.def_impl(_impl)
+_compat.requires_devices_when_lowering(jaxdecl_p)
 jaxdecl_p.def_abstract_eval(_abstract_eval)
 _compat.mlir.register_lowering(jaxdecl_p, _lowering, platform="cpu")

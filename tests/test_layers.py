@@ -68,3 +68,12 @@ def test_primitive_depends_on_nothing_above_it():
     above = {"jaxdecl._autodiff", "jaxdecl._batching", "jaxdecl._op", "jaxdecl._declare",
              "jaxdecl._check", "jaxdecl"}
     assert not graph["jaxdecl._primitive"] & above, graph["jaxdecl._primitive"]
+
+
+def test_sharding_modules_sit_below_the_primitive():
+    """The factor logic and the per-shard lowering know nothing of ops, autodiff or batching."""
+    graph = _graph()
+    above = {"jaxdecl._primitive", "jaxdecl._autodiff", "jaxdecl._batching", "jaxdecl._op",
+             "jaxdecl._declare", "jaxdecl._check", "jaxdecl"}
+    assert graph["jaxdecl._sharding"] <= {"jaxdecl._errors"}, graph["jaxdecl._sharding"]
+    assert not graph["jaxdecl._partition"] & above, graph["jaxdecl._partition"]

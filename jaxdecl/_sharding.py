@@ -1,0 +1,319 @@
+"""Sharding declarations and the factors of every rule derived from them.
+
+An op declares how the dims of its forward's inputs and results relate, in
+the einsum-like factor syntax of ``custom_partitioning``'s ``sharding_rule``
+(API.md §7): ``sharding="b k, k -> b"``. One name per dim; a name is a
+*factor*. A factor is independent (the rules may run on any slice along it)
+unless listed in ``replicate=`` (the rules need it whole) or ``reduce=`` (the
+rules sum over it: partial results are added up across devices).
+
+This module has one job: from a declaration, a rule kind and the shapes of
+one equation (``primals`` and ``batch``), name the factor of every dim of
+every operand and result of that rule. One declaration covers every rule:
+
+- a tangent of input *i*, or a cotangent of output *j*, has the factors of
+  its primal;
+- a result without a factor that is split elsewhere is a sum over that
+  factor's slices (a ``reduce`` factor of the forward; for a cotangent, the
+  factors its input lacks);
+- dims added by ``vmap`` (the ``batch`` parameter) are fresh independent
+  factors; an operand that broadcasts along one (size 1 there) gets a factor
+  of its own.
+
+Which mesh axes a factor is split over is decided later, by
+:mod:`jaxdecl._partition`.
+
+Example:
+    >>> from jaxdecl._sharding import ShardingRule
+    >>> rule = ShardingRule("b k, k -> b", reduce=("k",))
+    >>> rule.operands, rule.results
+    ((('b', 'k'), ('k',)), (('b',),))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from ._errors import DeclarationError, RuleError
+
+_FACTOR = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
+_ELLIPSIS = "..."
+
+
+def _names(value, what: str, owner: str) -> tuple:
+    if isinstance(value, str):
+        value = (value,)
+    try:
+        names = tuple(value)
+    except TypeError:
+        raise DeclarationError(f"{owner}: {what}= must be a tuple of factor names, "
+                               f"got {value!r}") from None
+    for name in names:
+        if not isinstance(name, str):
+            raise DeclarationError(f"{owner}: {what}= must hold factor names (str), "
+                                   f"got {name!r}")
+    return names
+
+
+def _parse_value(text: str, owner: str, rule: str) -> tuple:
+    factors = tuple(text.split())
+    for position, name in enumerate(factors):
+        if name == _ELLIPSIS:
+            if position != 0:
+                raise DeclarationError(
+                    f"{owner}: sharding rule {rule!r}: '...' may only stand first "
+                    f"(for leading dims)")
+        elif not _FACTOR.match(name):
+            raise DeclarationError(
+                f"{owner}: sharding rule {rule!r}: {name!r} is not a factor name (a letter, "
+                f"then letters, digits or underscores; '...' for leading dims)")
+    named = [f for f in factors if f != _ELLIPSIS]
+    if len(set(named)) != len(named):
+        raise DeclarationError(
+            f"{owner}: sharding rule {rule!r}: a factor names two dims of one array ({text!r})")
+    return factors
+
+
+class ShardingRule:
+    """How an op may be split across devices: factors, and which are special.
+
+    ``rule`` is an einsum-like string over the forward's inputs and results,
+    ``"b n, n -> b n"``; ``replicate`` lists factors a rule needs whole,
+    ``reduce`` factors a rule sums over. Returned by a ``@jd.sharding``
+    method, or built from the class options ``sharding=``, ``replicate=``,
+    ``reduce=``.
+
+    Example:
+        >>> import jaxdecl as jd
+        >>> jd.ShardingRule("b n -> b n", replicate=("n",))
+        ShardingRule('b n -> b n', replicate=('n',), reduce=())
+    """
+
+    __slots__ = ("rule", "replicate", "reduce", "operands", "results")
+
+    def __init__(self, rule: str, replicate=(), reduce=(), *, owner: str = "ShardingRule"):
+        if not isinstance(rule, str):
+            raise DeclarationError(f"{owner}: the sharding rule must be a string such as "
+                                   f"'b n -> b n', got {rule!r}")
+        if rule.count("->") != 1:
+            raise DeclarationError(
+                f"{owner}: sharding rule {rule!r} needs exactly one '->' between the inputs "
+                f"and the results")
+        left, right = rule.split("->")
+
+        def values(side):
+            side = side.strip()
+            return () if not side else tuple(
+                _parse_value(part, owner, rule) for part in side.split(","))
+
+        self.rule = rule
+        self.operands = values(left)
+        self.results = values(right)
+        self.replicate = _names(replicate, "replicate", owner)
+        self.reduce = _names(reduce, "reduce", owner)
+        if not self.results:
+            raise DeclarationError(f"{owner}: sharding rule {rule!r} names no results")
+        used_in = set(f for v in self.operands for f in v if f != _ELLIPSIS)
+        used_out = set(f for v in self.results for f in v if f != _ELLIPSIS)
+        for what, names in (("replicate", self.replicate), ("reduce", self.reduce)):
+            for name in names:
+                if name not in used_in | used_out:
+                    raise DeclarationError(
+                        f"{owner}: {what}= names {name!r}, which is no factor of the sharding "
+                        f"rule {rule!r}")
+        both = set(self.replicate) & set(self.reduce)
+        if both:
+            raise DeclarationError(
+                f"{owner}: factor(s) {sorted(both)} are in both replicate= and reduce=; a "
+                f"factor is needed whole or summed over, not both")
+        only_out = used_out - used_in
+        if only_out:
+            raise DeclarationError(
+                f"{owner}: sharding rule {rule!r}: factor(s) {sorted(only_out)} appear in the "
+                f"results only; every factor must be a dim of some input")
+        for name in self.reduce:
+            if name in used_out:
+                raise DeclarationError(
+                    f"{owner}: reduce= names {name!r}, but the results of {rule!r} have a dim "
+                    f"{name!r}; a factor the rules sum over cannot be a result dim")
+        for index, value in enumerate(self.results):
+            missing = used_in - set(value) - set(self.replicate) - set(self.reduce)
+            if missing:
+                raise DeclarationError(
+                    f"{owner}: sharding rule {rule!r}: result {index} has no dim for factor(s) "
+                    f"{sorted(missing)}; list such a factor in reduce= (the rules sum over it) "
+                    f"or replicate= (the rules need it whole)")
+        has_ellipsis = [bool(v) and v[0] == _ELLIPSIS for v in self.operands + self.results]
+        if any(has_ellipsis) and not all(has_ellipsis):
+            raise DeclarationError(
+                f"{owner}: sharding rule {rule!r}: '...' must lead every input and result "
+                f"or none")
+
+    def __repr__(self) -> str:
+        return (f"ShardingRule({self.rule!r}, replicate={self.replicate!r}, "
+                f"reduce={self.reduce!r})")
+
+    def __eq__(self, other):
+        return isinstance(other, ShardingRule) and (self.rule, self.replicate, self.reduce) == (
+            other.rule, other.replicate, other.reduce)
+
+    def __hash__(self):
+        return hash((self.rule, self.replicate, self.reduce))
+
+
+def from_options(owner: str, options: dict, params: tuple) -> ShardingRule | None:
+    """The class options ``sharding=``/``replicate=``/``reduce=`` as a rule (None if absent)."""
+    rule = options.get("sharding")
+    if rule is None:
+        for key in ("replicate", "reduce"):
+            if options.get(key):
+                raise DeclarationError(f"{owner}: {key}= needs a sharding= rule to refer to")
+        return None
+    declared = ShardingRule(rule, options.get("replicate", ()), options.get("reduce", ()),
+                            owner=owner)
+    check_inputs(declared, params, owner)
+    return declared
+
+
+def check_inputs(rule: ShardingRule, params: tuple, owner: str) -> None:
+    if len(rule.operands) != len(params):
+        raise DeclarationError(
+            f"{owner}: sharding rule {rule.rule!r} describes {len(rule.operands)} input(s), "
+            f"but the op takes {len(params)} ({', '.join(params)})")
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """A declaration applied to one set of primal shapes: every dim named."""
+
+    inputs: tuple  # per primal input leaf: a factor per dim
+    outputs: tuple  # per forward output leaf: a factor per dim
+    replicate: frozenset
+    sizes: dict  # factor -> size (the whole, per batch element)
+
+
+def resolve(rule: ShardingRule, layout, params: tuple, owner: str) -> Resolved:
+    """Names every dim of the forward at `layout`; ValueError when ranks or sizes disagree."""
+    check_inputs(rule, params, owner)
+    if len(rule.results) != len(layout.out_groups):
+        raise ValueError(
+            f"{owner}: sharding rule {rule.rule!r} describes {len(rule.results)} result(s), but "
+            f"@abstract gives {len(layout.out_groups)}")
+    # A pytree input (output) gives its factors to each of its leaves.
+    out_rules = [None] * len(layout.outputs)
+    for group, value in zip(layout.out_groups, rule.results):
+        for slot in group.slots:
+            out_rules[slot] = value
+    values = tuple(rule.operands[p] for p in layout.leaf_param) + tuple(out_rules)
+    labels = [f"input {name!r}" for name in layout.input_names] + list(layout.output_names)
+    shapes = [s for s, _ in layout.inputs] + [s for s, _ in layout.outputs]
+    lead = None
+    named = []
+    for label, value, shape in zip(labels, values, shapes):
+        factors = value
+        if value and value[0] == _ELLIPSIS:
+            n = len(shape) - (len(value) - 1)
+            if n < 0:
+                raise ValueError(
+                    f"{owner}: sharding rule {rule.rule!r} gives {label} at least "
+                    f"{len(value) - 1} dims, but it has shape {shape}")
+            if lead is not None and lead != n:
+                raise ValueError(
+                    f"{owner}: sharding rule {rule.rule!r}: '...' stands for {lead} dims in "
+                    f"one value and {n} in {label} (shape {shape})")
+            lead = n
+            factors = tuple(f"...{k}" for k in range(n)) + value[1:]
+        elif len(value) != len(shape):
+            raise ValueError(
+                f"{owner}: sharding rule {rule.rule!r} gives {label} {len(value)} dim(s) "
+                f"({' '.join(value) or 'a scalar'}), but it has shape {shape}")
+        named.append(tuple(factors))
+    sizes: dict = {}
+    for label, factors, shape in zip(labels, named, shapes):
+        for factor, size in zip(factors, shape):
+            if sizes.setdefault(factor, size) != size:
+                raise ValueError(
+                    f"{owner}: sharding rule {rule.rule!r}: factor {factor!r} has size "
+                    f"{sizes[factor]} in one value but {size} in {label} (shape {shape})")
+    n_in = len(layout.inputs)
+    return Resolved(tuple(named[:n_in]), tuple(named[n_in:]), frozenset(rule.replicate), sizes)
+
+
+def call_method(method, instance, layout, owner: str) -> ShardingRule:
+    """Runs a ``@jd.sharding`` method on the inputs as ShapeDtypeStructs."""
+    result = method.bind(instance)(*layout.input_structs())
+    if not isinstance(result, ShardingRule):
+        raise RuleError(f"{owner}.{method.name} (@sharding) must return jd.ShardingRule(...), "
+                        f"got {type(result).__name__}")
+    return result
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleFactors:
+    """The factors of one equation of ``jaxdecl_call``."""
+
+    operands: tuple  # per operand: a factor per dim (batch dims first)
+    results: tuple  # per result: a factor per dim
+    replicate: frozenset
+    sizes: dict  # factor -> whole size
+    inputs: tuple  # per primal input: its factors per batch element (for local primals)
+    batch: tuple  # the factors of the batch dims, outermost first
+
+
+def rule_factors(resolved: Resolved, layout, rule: str, wrt: int, batch: tuple,
+                 operand_shapes: tuple) -> RuleFactors:
+    """Names every dim of every operand and result of `rule` (see the module docstring).
+
+    Example:
+        >>> import jax, numpy as np, jaxdecl as jd
+        >>> from jaxdecl._layout import compute_layout
+        >>> class M(jd.Primitive, sharding="b k, k -> b", reduce=("k",)):
+        ...     @jd.abstract
+        ...     def shapes(self, a, x):
+        ...         return jax.ShapeDtypeStruct(a.shape[:1], a.dtype)
+        ...     @jd.forward
+        ...     def apply(self, a, x):
+        ...         return a @ x
+        >>> f64 = np.dtype("float64")
+        >>> spec = M.__jaxdecl_spec__
+        >>> layout = compute_layout(spec, M(), (((4, 3), f64), ((3,), f64)))
+        >>> resolved = resolve(spec.sharding, layout, ("a", "x"), "M")
+        >>> rule_factors(resolved, layout, "vjp", -1, (), ((4, 3), (3,), (4,))).results
+        (('b', 'k'), ('k',))
+    """
+    n = len(layout.inputs)
+    ins, outs = resolved.inputs, resolved.outputs
+    diff = layout.diff_indices
+    float_outs = tuple(outs[j] for j in layout.float_out_indices)
+    if rule == "forward":
+        operands, results = ins, outs
+    elif rule == "jvp":
+        operands, results = ins + tuple(ins[i] for i in diff), float_outs
+    elif rule == "vjp":
+        operands, results = ins + float_outs, tuple(ins[i] for i in diff)
+    elif rule == "transpose":
+        operands = tuple(ins[i] for i in range(n) if not layout.diff[i]) + float_outs
+        results = tuple(ins[i] for i in diff)
+    elif rule == "transpose_wrt":
+        operands = tuple(ins[i] for i in range(n) if i != wrt) + float_outs
+        results = (ins[wrt],)
+    else:  # pragma: no cover - internal
+        raise ValueError(f"unknown rule {rule!r}")
+    sizes = dict(resolved.sizes)
+    batch_factors = tuple(f"#vmap{k}" for k in range(len(batch)))
+    sizes.update(zip(batch_factors, batch))
+    with_batch = []
+    for index, (factors, shape) in enumerate(zip(operands, operand_shapes)):
+        lead = []
+        for k, size in enumerate(batch):
+            if shape[k] == size:
+                lead.append(batch_factors[k])
+            else:  # broadcast along this batch dim: a factor of its own
+                own = f"#bcast{index}.{k}"
+                sizes[own] = shape[k]
+                lead.append(own)
+        with_batch.append(tuple(lead) + tuple(factors))
+    results = tuple(batch_factors + tuple(r) for r in results)
+    return RuleFactors(tuple(with_batch), results, resolved.replicate, sizes, ins,
+                       batch_factors)

@@ -1,0 +1,381 @@
+"""Multi-device sharding scenarios, run in a fresh interpreter with 4 host CPU devices.
+
+Run as ``python helpers_sharding.py SCENARIO``; prints one JSON line
+``{"checks": {name: value}}``. A value is ``true`` when the check passed,
+anything else (``false``, a string with what was seen) when it failed. Each
+scenario batches many checks: every subprocess pays JAX's import once.
+"""
+
+import json
+import os
+import sys
+
+# 4 devices in one process; 2 in each of the two processes of `processes`.
+_DEVICES = os.environ.get("JAXDECL_TEST_DEVICES", "4")
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={_DEVICES}"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxdecl as jd  # noqa: E402
+
+CALLS: list = []  # (rule, shape of the first operand) per rule call
+
+
+class RowFFT(jd.Primitive, linear=True, batch="vectorized", sharding="b n -> b n",
+             replicate=("n",)):
+    """A transform along the last axis: rows are independent, the row is needed whole."""
+
+    @jd.abstract
+    def shapes(self, x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x):
+        CALLS.append(("fft", x.shape))
+        return np.fft.fft(x, axis=-1)
+
+    @jd.transpose
+    def apply_t(self, ct):
+        CALLS.append(("fft_t", ct.shape))
+        return np.fft.fft(ct, axis=-1)
+
+
+class MatVec(jd.Primitive, sharding="b k, k -> b", reduce=("k",)):
+    """A contraction over k: per-slice partial results are summed."""
+
+    @jd.abstract
+    def shapes(self, a, x):
+        return jax.ShapeDtypeStruct(a.shape[:1], a.dtype)
+
+    @jd.forward
+    def apply(self, a, x):
+        CALLS.append(("mv", a.shape))
+        return a @ x
+
+    @jd.jvp
+    def push(self, a, x, da, dx):
+        CALLS.append(("mv_jvp", a.shape))
+        return da @ x + a @ dx
+
+    @jd.vjp
+    def pull(self, a, x, ct):
+        CALLS.append(("mv_vjp", a.shape))
+        return np.outer(ct, x).astype(a.dtype), (a.T @ ct).astype(x.dtype)
+
+
+class Mul(jd.Primitive, multilinear=True, sharding="n, n -> n"):
+    """Elementwise product, multilinear: exercises transpose_wrt."""
+
+    @jd.abstract
+    def shapes(self, x, y):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x, y):
+        CALLS.append(("mul", x.shape))
+        return x * y
+
+    @jd.transpose(wrt="x")
+    def t_x(self, y, ct):
+        CALLS.append(("mul_tx", y.shape))
+        return y * ct
+
+    @jd.transpose(wrt="y")
+    def t_y(self, x, ct):
+        CALLS.append(("mul_ty", x.shape))
+        return x * ct
+
+
+class Scaled(jd.Primitive):
+    """x * x * w with a (varying) x and a (replicated) w inside shard_map."""
+
+    @jd.abstract
+    def shapes(self, x, w):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x, w):
+        CALLS.append(("scaled", x.shape))
+        return x * x * w
+
+    @jd.jvp
+    def push(self, x, w, dx, dw):
+        return 2 * x * w * dx + x * x * dw
+
+    @jd.vjp
+    def pull(self, x, w, ct):
+        return 2 * x * w * ct, (x * x * ct).sum(axis=0)
+
+
+class WrongShapes(jd.Primitive, sharding="n -> n"):
+    """Declares n independent, but its output shape ignores the input's: fails per shard."""
+
+    @jd.abstract
+    def shapes(self, x):
+        return jax.ShapeDtypeStruct((8,), x.dtype)
+
+    @jd.forward
+    def apply(self, x):
+        return np.zeros(8, x.dtype)
+
+
+class Plain(jd.Primitive):
+    """No declaration: stays correct under any sharding (XLA gathers)."""
+
+    @jd.abstract
+    def shapes(self, x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x):
+        CALLS.append(("plain", x.shape))
+        return -x
+
+
+def _rng_array(shape, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    value = rng.standard_normal(shape)
+    if np.issubdtype(dtype, np.complexfloating):
+        value = value + 1j * rng.standard_normal(shape)
+    return value.astype(dtype)
+
+
+def _close(a, b, dtype=np.float64) -> bool:
+    tol = 1e-4 if np.dtype(dtype) in (np.float32, np.complex64) else 1e-10
+    return bool(np.allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol))
+
+
+def _calls(function, *args) -> list:
+    """The rule calls made while `function(*args)` runs."""
+    CALLS.clear()
+    result = function(*args)
+    jax.block_until_ready(result)
+    seen = list(CALLS)
+    CALLS.clear()
+    return seen
+
+
+def _no_gather(compiled_text: str):
+    found = [w for w in ("all-gather", "all-to-all") if w in compiled_text]
+    return True if not found else f"found {found}"
+
+
+def _all_shapes(calls, shape):
+    shapes = {s for _, s in calls}
+    return True if calls and shapes == {shape} else f"rule saw {sorted(shapes)} ({len(calls)})"
+
+
+def automatic() -> dict:
+    """jit over a mesh of Auto axes: forward, jvp, vjp, transpose, vmap, reduce, errors."""
+    checks = {}
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(AxisType.Auto,))
+
+    def put(x, *spec):
+        return jax.device_put(x, NamedSharding(mesh, P(*spec)))
+
+    for dtype in ("complex128", "complex64"):
+        x = _rng_array((8, 16), dtype)
+        expected = np.fft.fft(x, axis=-1)
+        xs = put(x, "d")
+        f = jax.jit(RowFFT())
+        checks[f"fft {dtype}: no gather"] = _no_gather(f.lower(xs).compile().as_text())
+        checks[f"fft {dtype}: local blocks"] = _all_shapes(_calls(f, xs), (2, 16))
+        y = f(xs)
+        checks[f"fft {dtype}: value"] = _close(y, expected, dtype)
+        checks[f"fft {dtype}: result sharding"] = y.sharding.spec == P("d") or str(y.sharding)
+
+    x = _rng_array((8, 16), "complex128")
+    expected = np.fft.fft(x, axis=-1)
+    f = jax.jit(RowFFT())
+    xn = put(x, None, "d")
+    checks["fft along n: gathered"] = _all_shapes(_calls(f, xn), (8, 16))
+    checks["fft along n: value"] = _close(f(xn), expected)
+    xs = put(x, "d")
+    checks["fft eager sharded: local blocks"] = _all_shapes(_calls(RowFFT(), xs), (2, 16))
+
+    def energy(op):
+        return lambda v: jnp.sum(jnp.abs(op(v)) ** 2)
+
+    g = jax.jit(jax.grad(energy(RowFFT())))
+    checks["fft grad: no gather"] = _no_gather(g.lower(xs).compile().as_text())
+    checks["fft grad: local blocks"] = _all_shapes(_calls(g, xs), (2, 16))
+    checks["fft grad: value"] = _close(g(xs), jax.grad(energy(lambda v: jnp.fft.fft(v)))(x))
+    t = jax.jit(jax.linear_transpose(RowFFT(), xs))
+    checks["fft transpose: local blocks"] = _all_shapes(_calls(t, xs), (2, 16))
+    checks["fft transpose: value"] = _close(t(xs)[0], np.fft.fft(x, axis=-1))
+    batch = _rng_array((4, 8, 16), "complex128", 3)
+    bs = put(batch, "d")
+    v = jax.jit(jax.vmap(RowFFT()))
+    checks["fft vmap: no gather"] = _no_gather(v.lower(bs).compile().as_text())
+    checks["fft vmap: local blocks"] = _all_shapes(_calls(v, bs), (1, 8, 16))
+    checks["fft vmap: value"] = _close(v(bs), np.fft.fft(batch, axis=-1))
+    bs2 = put(batch, None, "d")
+    checks["fft vmap, rows split: local blocks"] = _all_shapes(_calls(v, bs2), (4, 2, 16))
+
+    for dtype in ("float64", "float32"):
+        a = _rng_array((8, 12), dtype, 1)
+        x = _rng_array((12,), dtype, 2)
+        ct = _rng_array((8,), dtype, 4)
+        ga, gx = np.outer(ct, x), a.T @ ct
+        for label, sa, sx, local in (("rows", ("d",), (), (2, 12)),
+                                     ("k", (None, "d"), ("d",), (8, 3))):
+            A, X = put(a, *sa), put(x, *sx)
+            f = jax.jit(MatVec())
+            text = f.lower(A, X).compile().as_text()
+            key = f"matvec {dtype} split {label}"
+            checks[f"{key}: no gather"] = _no_gather(text)
+            if label == "k":
+                checks[f"{key}: partial sums reduced"] = "all-reduce" in text
+            checks[f"{key}: local blocks"] = _all_shapes(_calls(f, A, X), local)
+            checks[f"{key}: value"] = _close(f(A, X), a @ x, dtype)
+            pull = jax.jit(lambda A, X, c: jax.vjp(MatVec(), A, X)[1](c))
+            checks[f"{key}: vjp no gather"] = _no_gather(pull.lower(A, X, ct).compile().as_text())
+            seen = [c for c in _calls(pull, A, X, ct) if c[0] == "mv_vjp"]
+            checks[f"{key}: vjp local blocks"] = _all_shapes(seen, local)
+            ra, rx = pull(A, X, ct)
+            checks[f"{key}: vjp value"] = _close(ra, ga, dtype) and _close(rx, gx, dtype)
+            push = jax.jit(lambda A, X: jax.jvp(MatVec(), (A, X), (A, X))[1])
+            seen = [c for c in _calls(push, A, X) if c[0] == "mv_jvp"]
+            checks[f"{key}: jvp local blocks"] = _all_shapes(seen, local)
+            checks[f"{key}: jvp value"] = _close(push(A, X), 2 * a @ x, dtype)
+            xb = np.stack([x, 2 * x])
+            vm = jax.jit(jax.vmap(MatVec(), in_axes=(None, 0)))
+            checks[f"{key}: vmap value"] = _close(vm(A, put(xb, None, *sx)), xb @ a.T, dtype)
+
+    x, y = _rng_array((16,), "float64", 5), _rng_array((16,), "float64", 6)
+    X, Y = put(x, "d"), put(y, "d")
+    g = jax.jit(jax.grad(lambda u, w: jnp.sum(Mul()(u, w) ** 2), argnums=(0, 1)))
+    checks["multilinear grad: no gather"] = _no_gather(g.lower(X, Y).compile().as_text())
+    checks["multilinear grad: local blocks"] = _all_shapes(_calls(g, X, Y), (4,))
+    gx, gy = g(X, Y)
+    checks["multilinear grad: value"] = _close(gx, 2 * x * y * y) and _close(gy, 2 * x * x * y)
+
+    # No declaration: gathered as before, still right, no partitioning call.
+    f = jax.jit(Plain())
+    checks["plain: no custom partitioning"] = "CustomSPMDPartitioning" not in \
+        f.lower(xs).as_text()
+    checks["plain: value"] = _close(f(put(x, "d")), -x)
+
+    # An error while splitting is a Python exception, and the process goes on.
+    try:
+        jax.jit(WrongShapes())(put(np.ones(8), "d")).block_until_ready()
+        checks["wrong declaration: raises"] = "no error"
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        text = str(error)
+        checks["wrong declaration: raises"] = ("WrongShapes" in text and
+                                               "sharding declaration" in text) or text[:300]
+    checks["after the error: still works"] = _close(jax.jit(RowFFT())(xs), expected)
+    return checks
+
+
+def explicit() -> dict:
+    """Explicit mesh axes (types carry shardings) and shard_map."""
+    checks = {}
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(AxisType.Explicit,))
+    x = _rng_array((8, 16), "complex128")
+    expected = np.fft.fft(x, axis=-1)
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, P("d"))
+        y = RowFFT()(xs)
+        checks["eager: type"] = str(jax.typeof(y)) == "complex128[8@d,16]" or str(jax.typeof(y))
+        checks["eager: value"] = _close(y, expected)
+        f = jax.jit(RowFFT())
+        checks["jit: type"] = str(jax.typeof(f(xs))) == "complex128[8@d,16]" or \
+            str(jax.typeof(f(xs)))
+        checks["jit: local blocks"] = _all_shapes(_calls(f, xs), (2, 16))
+        try:
+            f(jax.device_put(x, P(None, "d")))
+            checks["replicate factor sharded: raises"] = "no error"
+        except Exception as error:  # noqa: BLE001
+            text = str(error)
+            checks["replicate factor sharded: raises"] = (
+                type(error).__name__ == "ShardingTypeError" and "RowFFT" in text and
+                "'x'" in text and "dim 1" in text and "eshard" in text) or text
+        g = jax.jit(jax.grad(lambda v: jnp.sum(jnp.abs(RowFFT()(v)) ** 2)))
+        checks["grad: type"] = str(jax.typeof(g(xs))) == "complex128[8@d,16]" or \
+            str(jax.typeof(g(xs)))
+        a, v = _rng_array((8, 12), "float64", 1), _rng_array((12,), "float64", 2)
+        A, V = jax.device_put(a, P(None, "d")), jax.device_put(v, P("d"))
+        r = jax.jit(MatVec())(A, V)
+        checks["reduce: type"] = str(jax.typeof(r)) == "float64[8]" or str(jax.typeof(r))
+        checks["reduce: value"] = _close(r, a @ v)
+
+    # shard_map: rules see blocks; grad w.r.t. varying and replicated inputs.
+    mesh = jax.make_mesh((4,), ("d",))
+    x = _rng_array((8, 16), "float64")
+    w = _rng_array((16,), "float64", 7)
+    xs = jax.device_put(x, NamedSharding(mesh, P("d")))
+    mapped = jax.shard_map(lambda a, b: Scaled()(a, b), mesh=mesh, in_specs=(P("d"), P()),
+                           out_specs=P("d"))
+    checks["shard_map: local blocks"] = _all_shapes(_calls(lambda: jax.jit(mapped)(xs, w)),
+                                                    (2, 16))
+    checks["shard_map: value"] = _close(jax.jit(mapped)(xs, w), x * x * w)
+    gx, gw = jax.jit(jax.grad(lambda a, b: jnp.sum(mapped(a, b)), argnums=(0, 1)))(xs, w)
+    checks["shard_map grad varying"] = _close(gx, 2 * x * w)
+    checks["shard_map grad replicated"] = _close(gw, (x * x).sum(axis=0))
+    tangent = jax.jvp(lambda a: mapped(a, w), (xs,), (xs,))[1]
+    checks["shard_map jvp"] = _close(tangent, 2 * x * x * w)
+    vm = jax.shard_map(jax.vmap(lambda a, b: Scaled()(a, b), in_axes=(0, None)), mesh=mesh,
+                       in_specs=(P("d"), P()), out_specs=P("d"))
+    checks["shard_map vmap"] = _close(jax.jit(vm)(xs, w), x * x * w)
+    fft = jax.jit(jax.shard_map(RowFFT(), mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    checks["shard_map declared op: local blocks"] = _all_shapes(
+        _calls(lambda: fft(jax.device_put(x + 0j, NamedSharding(mesh, P("d"))))), (2, 16))
+    return checks
+
+
+def processes(port: str, process_id: str) -> dict:
+    """One of two processes (2 devices each) sharing a 4-device mesh via jax.distributed."""
+    process_id = int(process_id)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
+    checks = {"devices": (jax.device_count(), jax.local_device_count()) == (4, 2) or
+              f"{jax.device_count()} global, {jax.local_device_count()} local"}
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(AxisType.Auto,))
+    rows = slice(4 * process_id, 4 * process_id + 4)
+
+    def global_array(whole, spec, local):
+        return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), local,
+                                                      whole.shape)
+
+    def local_part(array):
+        shards = sorted(array.addressable_shards, key=lambda s: s.index[0].start or 0)
+        return np.concatenate([np.asarray(s.data) for s in shards])
+
+    x = _rng_array((8, 16), "complex128")
+    xs = global_array(x, P("d"), x[rows])
+    f = jax.jit(RowFFT())
+    checks["fft: no gather"] = _no_gather(f.lower(xs).compile().as_text())
+    checks["fft: local blocks"] = _all_shapes(_calls(f, xs), (2, 16))
+    checks["fft: value"] = _close(local_part(f(xs)), np.fft.fft(x[rows], axis=-1))
+    g = jax.jit(jax.grad(lambda v: jnp.sum(jnp.abs(RowFFT()(v)) ** 2)))
+    checks["fft grad: local blocks"] = _all_shapes(_calls(g, xs), (2, 16))
+    checks["fft grad: value"] = _close(local_part(g(xs)), 2 * 16 * np.conj(x[rows]))
+    # A contraction split across the processes: the partial sums cross them.
+    a, v = _rng_array((8, 12), "float64", 1), _rng_array((12,), "float64", 2)
+    cols = slice(6 * process_id, 6 * process_id + 6)
+    A = global_array(a, P(None, "d"), a[:, cols])
+    V = global_array(v, P("d"), v[cols])
+    m = jax.jit(MatVec())
+    checks["matvec: local blocks"] = _all_shapes(_calls(m, A, V), (8, 3))
+    result = m(A, V)
+    checks["matvec: value"] = _close(np.asarray(result.addressable_shards[0].data), a @ v)
+    jax.distributed.shutdown()
+    return checks
+
+
+SCENARIOS = {"automatic": automatic, "explicit": explicit, "processes": processes}
+
+
+def main(argv) -> None:
+    jax.config.update("jax_enable_x64", True)
+    checks = SCENARIOS[argv[0]](*argv[1:])
+    print(json.dumps({"checks": {k: (v if v is True else str(v)) for k, v in checks.items()}}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
