@@ -7,7 +7,7 @@ import numpy as np
 
 from . import _layout, _structure
 from ._errors import RuleError
-from ._op import flatten_inputs, spec_of
+from ._op import flatten_inputs, handle_of, spec_of
 
 _DOT_RTOL = {"float16": 3e-2, "bfloat16": 3e-2, "float32": 2e-4, "complex64": 2e-4}
 _FD_RTOL = {"float16": 1e-1, "bfloat16": 1e-1, "float32": 2e-2, "complex64": 2e-2}
@@ -50,6 +50,12 @@ def check(op, *args, rtol: float | None = None, seed: int = 0) -> None:
         by the lowest precision among the inputs.
       seed: seed of the random tangents and cotangents.
 
+    An op that declares ``sharding=`` (or ``@jd.sharding``) also has its
+    declaration verified: the inputs are cut in two along each factor the
+    rules may split (independent and ``reduce`` ones), the op runs on each
+    half, and the halves' results, joined (or summed, for ``reduce``), must
+    equal the whole op's.
+
     Example:
         >>> import jax, numpy as np, jaxdecl as jd
         >>> class Mul(jd.Primitive):
@@ -86,6 +92,9 @@ def check(op, *args, rtol: float | None = None, seed: int = 0) -> None:
     if any(layout.diff) and any(layout.float_out):
         _check_derivatives(spec, leaves, layout, rng, dot_rtol, fd_rtol, call)
     _check_vmap(spec, leaves, dot_rtol, call)
+    resolved = handle_of(op).sharding(primals, op)
+    if resolved is not None:
+        _check_sharding(spec, leaves, layout, resolved, eager, dot_rtol, call)
 
 
 def _check_forward(spec, op, args, tree, layout, call):
@@ -207,3 +216,46 @@ def _check_vmap(spec, args, rtol, call):
                     f"jd.check: vmap of {spec.name} disagrees with a loop of calls for "
                     f"output {index}, batch element {k}"
                 )
+
+
+def _check_sharding(spec, args, layout, resolved, whole, rtol, call):
+    """Runs the op on two slices along each splittable factor and compares with the whole."""
+    summed = set(resolved.sizes) - {f for names in resolved.outputs for f in names}
+    for factor, size in resolved.sizes.items():
+        if factor in resolved.replicate or size < 2:
+            continue
+        halves = (slice(0, size // 2), slice(size // 2, size))
+        pieces = [call([_cut(a, names, factor, part) for a, names in zip(args, resolved.inputs)])
+                  for part in halves]
+        label = factor if not factor.startswith("...") else f"leading dim {factor[3:]} ('...')"
+        for index, names in enumerate(resolved.outputs):
+            first, second = np.asarray(pieces[0][index]), np.asarray(pieces[1][index])
+            if factor in summed:
+                joined, how = first + second, "summing"
+            else:
+                joined = np.concatenate([first, second], axis=names.index(factor))
+                how = "joining"
+            expected = np.asarray(whole[index])
+            if joined.shape == expected.shape and np.allclose(
+                    joined, expected, rtol=max(rtol, 1e-6), atol=max(rtol, 1e-6) * max(
+                        float(np.max(np.abs(expected), initial=0)), 1.0), equal_nan=True):
+                continue
+            error = float(np.max(np.abs(joined - expected), initial=0)) \
+                if joined.shape == expected.shape else float("inf")
+            kind = "reduce=" if factor in summed else "independent"
+            raise AssertionError(
+                f"jd.check: {spec.name}'s sharding declaration is wrong: factor {label!r} is "
+                f"declared {kind}, but running {spec.describe('forward')} on two slices "
+                f"along it and {how} the results differs from the whole op for "
+                f"{layout.output_names[index]} (max error {error:.3g}). If the rule needs "
+                f"the whole of that factor, list it in replicate="
+            )
+
+
+def _cut(value, names, factor, part):
+    """`value` sliced to `part` along the dim named `factor` (whole if it has none)."""
+    if factor not in names:
+        return value
+    index = [slice(None)] * value.ndim
+    index[names.index(factor)] = part
+    return np.ascontiguousarray(value[tuple(index)])

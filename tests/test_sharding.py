@@ -166,3 +166,67 @@ def test_two_processes():
     for process, checks in enumerate(outputs):
         failed = {name: value for name, value in checks.items() if value is not True}
         assert not failed, (process, failed)
+
+
+# ---------------------------------------------------------------------------------------
+# jd.check verifies the declaration on one device (slices along each factor)
+# ---------------------------------------------------------------------------------------
+
+class _CumSum(jd.Primitive, sharding="b n -> b n"):
+    """Declared independent along n, which a cumulative sum is not."""
+
+    @jd.abstract
+    def shapes(self, x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x):
+        return np.cumsum(x, axis=1)
+
+
+class _CumSumDeclared(_CumSum, sharding="b n -> b n", replicate=("n",)):
+    pass
+
+
+class _RowMax(jd.Primitive, sharding="b k -> b", reduce=("k",)):
+    """A maximum declared as a sum over k: wrong."""
+
+    @jd.abstract
+    def shapes(self, x):
+        return jax.ShapeDtypeStruct(x.shape[:1], x.dtype)
+
+    @jd.forward
+    def apply(self, x):
+        return np.max(x, axis=1)
+
+
+class _MatVecPytree(jd.Primitive, sharding="b k, k -> b", reduce=("k",)):
+    """A matvec whose vector arrives in a dict: the declaration covers its leaves."""
+
+    @jd.abstract
+    def shapes(self, a, v):
+        return {"y": jax.ShapeDtypeStruct(a.shape[:1], a.dtype)}
+
+    @jd.forward
+    def apply(self, a, v):
+        return {"y": a @ v["x"] + a @ v["z"]}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex128])
+def test_check_accepts_right_declarations(dtype):
+    x = np.arange(12.0).reshape(3, 4)
+    x = (x + 1j * x[::-1] if dtype == np.complex128 else x).astype(dtype)
+    jd.check(_CumSumDeclared(), x)
+    jd.check(_MatVecPytree(), x, {"x": np.ones(4, dtype), "z": np.arange(4).astype(dtype)})
+
+
+@pytest.mark.parametrize("op, factor, kind", [
+    (_CumSum(), "n", "independent"),
+    (_RowMax(), "k", "reduce="),
+])
+def test_check_rejects_a_wrong_declaration_naming_class_and_factor(op, factor, kind):
+    x = np.arange(1.0, 13.0).reshape(3, 4)
+    name = type(op).__name__
+    with pytest.raises(AssertionError, match=rf"{name}'s sharding declaration is wrong: factor "
+                                             rf"'{factor}' is declared {kind}"):
+        jd.check(op, x)
