@@ -3,6 +3,14 @@
 All four transform any subset of the axes of an n-d array in one DUCC call.
 They share how the axes are stored and checked, and one ``@batch`` rule that
 folds a ``vmap`` axis into that call instead of looping over the batch.
+
+Sharding (API.md §7): ``c2c`` and ``genuine_fht`` declare every axis they do
+not transform independent and the transformed axes ``replicate``, so under
+``jax.jit`` an array sharded along an untransformed axis is transformed block
+by block on each device, with no gather. ``r2c`` and ``c2r`` change the length
+of their last transformed axis, which a sharding rule cannot express yet (a
+factor of the result that no input has); they declare nothing and stay correct
+under any sharding, XLA gathering their input.
 """
 
 from __future__ import annotations
@@ -55,6 +63,14 @@ def _fold_batch_axis(axes, ndim: int, batch_axis: int) -> tuple:
     return tuple(a + (a >= batch_axis) for a in element_axes)
 
 
+def _per_axis_rule(name: str, axes, ndim: int) -> jd.ShardingRule:
+    """One factor per axis, ``"d0 d1 -> d0 d1"``; the transformed axes are needed whole."""
+    dims = [f"d{i}" for i in range(ndim)]
+    value = " ".join(dims)
+    return jd.ShardingRule(f"{value} -> {value}",
+                           replicate=tuple(dims[a] for a in _normalize_axes(name, axes, ndim)))
+
+
 class _FFTBatch:
     """Shared ``@batch`` rule: fold the vmap axis into DUCC's own multi-axis call.
 
@@ -83,7 +99,9 @@ class c2c(_FFTBatch, jd.Primitive, linear=True):
         nthreads: DUCC threads per call (0: all hardware threads).
 
     Input and output are complex64 or complex128 of the same shape. The adjoint
-    is the transform in the other direction with the same ``inorm``.
+    is the transform in the other direction with the same ``inorm``. Axes not
+    in `axes` are independent: under ``jax.jit`` each device transforms its own
+    block of an input sharded along them.
 
     Example:
         >>> import numpy as np
@@ -106,6 +124,10 @@ class c2c(_FFTBatch, jd.Primitive, linear=True):
         check_dtype("c2c", x.dtype, REAL_OF)
         _normalize_axes("c2c", self.axes, len(x.shape))
         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.sharding
+    def partition(self, x):
+        return _per_axis_rule("c2c", self.axes, len(x.shape))
 
     @jd.forward
     def apply(self, x, *, out):
@@ -258,6 +280,10 @@ class genuine_fht(_FFTBatch, jd.Primitive, linear=True):
         check_dtype("genuine_fht", x.dtype, COMPLEX_OF)
         _normalize_axes("genuine_fht", self.axes, len(x.shape))
         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.sharding
+    def partition(self, x):
+        return _per_axis_rule("genuine_fht", self.axes, len(x.shape))
 
     @jd.forward
     def apply(self, x, *, out):

@@ -2,6 +2,13 @@
 
 Each is the other's adjoint, so both ops are the same two DUCC calls in
 opposite roles; the point coordinates are a non-differentiable input.
+
+Sharding (API.md §7): ``u2nu`` declares its points independent (the value at
+a point needs the whole grid and that point's coordinates only), so points
+and coordinates sharded alike are evaluated on each device without a gather;
+the transpose sums the per-device grids. ``nu2u`` has result dims (the grid)
+that no input has, which a sharding rule cannot express yet: it declares
+nothing and XLA gathers its inputs.
 """
 
 from __future__ import annotations
@@ -82,6 +89,12 @@ class u2nu(_NUFFT, jd.Primitive, linear=True, nondiff=("coord",)):
         check_dtype("u2nu grid", grid.dtype, REAL_OF)
         _check_coord("u2nu", coord, len(grid.shape))
         return jax.ShapeDtypeStruct((coord.shape[0],), grid.dtype)
+
+    @jd.sharding
+    def partition(self, coord, grid):
+        dims = " ".join(f"g{i}" for i in range(len(grid.shape)))
+        return jd.ShardingRule(f"p k, {dims} -> p",
+                               replicate=("k",) + tuple(dims.split()))
 
     @jd.forward
     def apply(self, coord, grid, *, out):

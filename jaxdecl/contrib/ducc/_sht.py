@@ -3,6 +3,12 @@
 Both ops hand DUCC's general ring synthesis a ring geometry (HEALPix, or a
 named 2-D grid) and differ only in that geometry; the rules, the a_lm layout
 and the adjoint live in one shared base class.
+
+Sharding: a map has a dim (its pixels) that the a_lm lack, which a sharding
+rule cannot express yet (a factor of the result that no input has), so the
+syntheses declare nothing. They stay correct under any sharding: under
+``jax.jit`` with a batch of a_lm sharded across devices, XLA gathers the batch
+and every device synthesises all of it.
 """
 
 from __future__ import annotations

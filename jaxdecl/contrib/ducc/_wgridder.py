@@ -3,6 +3,14 @@
 Degridding and gridding are each other's adjoint, so both ops are the same
 two DUCC calls in opposite roles; ``uvw`` and ``freq`` are non-differentiable
 inputs.
+
+Sharding (API.md §7): ``dirty2vis`` declares its rows and channels
+independent (a visibility needs the whole image and its own row's ``uvw`` and
+channel's frequency), so visibilities sharded along rows or channels are
+predicted on each device without a gather; the transpose sums the
+per-device images. ``vis2dirty`` has result dims (the image) that no input
+has, which a sharding rule cannot express yet: it declares nothing and XLA
+gathers its inputs.
 """
 
 from __future__ import annotations
@@ -100,6 +108,10 @@ class dirty2vis(_WGridder, jd.Primitive, linear=True, nondiff=("uvw", "freq")):
         _check_visibility_coords("dirty2vis", uvw, freq)
         _check_image_shape("dirty2vis", dirty.shape)
         return jax.ShapeDtypeStruct((uvw.shape[0], freq.shape[0]), COMPLEX_OF[dtype])
+
+    @jd.sharding
+    def partition(self, uvw, freq, dirty):
+        return jd.ShardingRule("r t, c, x y -> r c", replicate=("t", "x", "y"))
 
     @jd.forward
     def apply(self, uvw, freq, dirty, *, out):
