@@ -8,6 +8,11 @@ imported once.
 DUCC's functions are wrapped to record the shape of the array each call
 receives, so the checks see whether a rule ran on a device's block or on the
 whole array.
+
+Ops whose results have dims no input has (r2c, the syntheses, nu2u,
+vis2dirty) declare a rule only where jaxdecl accepts such factors
+(``OWN_RESULT_FACTORS``, reported in the JSON line): then they are checked
+for per-shard runs as well, otherwise for values only.
 """
 
 import json
@@ -23,6 +28,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxdecl.contrib import ducc  # noqa: E402
+from jaxdecl.contrib.ducc._checks import OWN_RESULT_FACTORS  # noqa: E402
 
 CALLS: list = []  # (DUCC function, shape of its main array argument)
 
@@ -40,6 +46,8 @@ def _record(module, name, argument):
 
 _record(ducc0.fft, "c2c", "a")
 _record(ducc0.fft, "genuine_fht", "a")
+_record(ducc0.fft, "r2c", "a")
+_record(ducc0.sht, "synthesis", "alm")
 _record(ducc0.nufft, "u2nu", "coord")
 _record(ducc0.nufft, "nu2u", "coord")
 _record(ducc0.wgridder.experimental, "dirty2vis", "uvw")
@@ -184,19 +192,44 @@ def automatic(checks: dict) -> None:
     whole = jax.grad(lambda q: jnp.sum(jnp.abs(d2v(uvw, freq, q)) ** 2))(dirty)
     checks["dirty2vis grad: value"] = _close(g(us, dirty), whole, 1e-9)
 
-    # A batch of spherical-harmonic syntheses sharded along the batch. The op
-    # declares no rule (its map has dims the a_lm lack): XLA gathers, and the
-    # values must still match.
+    # A batch of spherical-harmonic syntheses sharded along the batch.
     sht = ducc.healpix_synthesis(nside=4, lmax=8)
     alm = _rng((8, 1, ducc.nalm(8)), "complex128", 9)
     alm[..., :9] = alm[..., :9].real  # m = 0 coefficients are real
     batch = jax.jit(jax.vmap(sht))
-    maps = batch(put(alm, "d"))
+    als = put(alm, "d")
+    maps = batch(als)
     checks["sht batch: = unsharded"] = _close(maps, jax.vmap(sht)(alm))
     checks["sht batch: = per-map loop"] = _close(maps, np.stack([sht(a) for a in alm]))
-    grad = jax.jit(jax.grad(lambda a: jnp.sum(jax.vmap(sht)(a) ** 2)))
+    energy = jax.jit(jax.grad(lambda a: jnp.sum(jax.vmap(sht)(a) ** 2)))
     checks["sht batch grad: = unsharded"] = _close(
-        grad(put(alm, "d")), jax.grad(lambda a: jnp.sum(jax.vmap(sht)(a) ** 2))(alm))
+        energy(als), jax.grad(lambda a: jnp.sum(jax.vmap(sht)(a) ** 2))(alm))
+
+    # Results with dims of their own: r2c, nu2u (points summed), vis2dirty (rows summed).
+    r = _rng((8, 64), "float64", 11)
+    rs = put(r, "d")
+    r2c = jax.jit(ducc.r2c(axes=(1,)))
+    checks["r2c: value"] = _close(r2c(rs), np.fft.rfft(r, axis=1))
+    nu2u = ducc.nu2u((16, 12))
+    points = _rng((64,), "complex128", 12)
+    grid_of = jax.jit(nu2u)
+    ps = put(points, "d")
+    checks["nu2u: value"] = _close(grid_of(cs, ps), nu2u(coord, points), 1e-9)
+    v2d = ducc.vis2dirty(32, 32, 1e-5, 1e-5)
+    vis = _rng((32, 2), "complex128", 13)
+    image = jax.jit(v2d)
+    vs = put(vis, "d")
+    checks["vis2dirty: value"] = _close(image(us, freq, vs), v2d(uvw, freq, vis), 1e-9)
+    if OWN_RESULT_FACTORS:
+        checks["sht batch: no gather"] = _no_gather(batch, als)
+        checks["sht batch: local blocks"] = _shapes(_calls(batch, als), (2, 1, ducc.nalm(8)))
+        checks["sht batch grad: no gather"] = _no_gather(energy, als)
+        checks["r2c: no gather"] = _no_gather(r2c, rs)
+        checks["r2c: local blocks"] = _shapes(_calls(r2c, rs), (2, 64))
+        checks["nu2u: no gather"] = _no_gather(grid_of, cs, ps)
+        checks["nu2u: local blocks"] = _shapes(_calls(grid_of, cs, ps), (16, 2))
+        checks["vis2dirty: no gather"] = _no_gather(image, us, freq, vs)
+        checks["vis2dirty: local blocks"] = _shapes(_calls(image, us, freq, vs), (8, 3))
 
 
 def explicit(checks: dict) -> None:
@@ -236,7 +269,8 @@ def main() -> None:
             scenario(checks)
         except Exception as error:  # noqa: BLE001 - one failure must not hide the rest
             checks[f"{scenario.__name__}: ran"] = f"{type(error).__name__}: {error}"[:2000]
-    print(json.dumps({"checks": {k: (v if v is True else str(v)) for k, v in checks.items()}}))
+    print(json.dumps({"checks": {k: (v if v is True else str(v)) for k, v in checks.items()},
+                      "own_result_factors": OWN_RESULT_FACTORS}))
 
 
 if __name__ == "__main__":

@@ -8,9 +8,10 @@ Sharding (API.md §7): ``c2c`` and ``genuine_fht`` declare every axis they do
 not transform independent and the transformed axes ``replicate``, so under
 ``jax.jit`` an array sharded along an untransformed axis is transformed block
 by block on each device, with no gather. ``r2c`` and ``c2r`` change the length
-of their last transformed axis, which a sharding rule cannot express yet (a
-factor of the result that no input has); they declare nothing and stay correct
-under any sharding, XLA gathering their input.
+of their last transformed axis: the result has a factor of its own there
+(``"d0 d1 -> d0 m"``), which they declare only where jaxdecl accepts such a
+factor (:data:`OWN_RESULT_FACTORS`); otherwise they declare nothing and stay
+correct under any sharding, XLA gathering their input.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 
 import jaxdecl as jd
 
-from ._checks import COMPLEX_OF, REAL_OF, check_dtype
+from ._checks import COMPLEX_OF, OWN_RESULT_FACTORS, REAL_OF, check_dtype
 
 
 def _normalize_axes(name: str, axes, ndim: int) -> tuple:
@@ -69,6 +70,15 @@ def _per_axis_rule(name: str, axes, ndim: int) -> jd.ShardingRule:
     value = " ".join(dims)
     return jd.ShardingRule(f"{value} -> {value}",
                            replicate=tuple(dims[a] for a in _normalize_axes(name, axes, ndim)))
+
+
+def _resized_rule(name: str, axes, ndim: int) -> jd.ShardingRule:
+    """As :func:`_per_axis_rule`, the last transformed axis resized: a result factor ``m``."""
+    axes = _normalize_axes(name, axes, ndim)
+    dims = [f"d{i}" for i in range(ndim)]
+    out = dims[: axes[-1]] + ["m"] + dims[axes[-1] + 1:]
+    return jd.ShardingRule(f"{' '.join(dims)} -> {' '.join(out)}",
+                           replicate=tuple(dims[a] for a in axes) + ("m",))
 
 
 class _FFTBatch:
@@ -177,6 +187,12 @@ class r2c(_FFTBatch, jd.Primitive, linear=True):
         shape[axes[-1]] = shape[axes[-1]] // 2 + 1
         return jax.ShapeDtypeStruct(tuple(shape), COMPLEX_OF[dtype])
 
+    if OWN_RESULT_FACTORS:
+
+        @jd.sharding
+        def partition(self, x):
+            return _resized_rule("r2c", self.axes, len(x.shape))
+
     @jd.forward
     def apply(self, x, *, out):
         ducc0.fft.r2c(x, axes=_normalize_axes("r2c", self.axes, x.ndim), forward=self.forward,
@@ -236,6 +252,12 @@ class c2r(_FFTBatch, jd.Primitive, linear=True):
             )
         shape[axes[-1]] = self.lastsize
         return jax.ShapeDtypeStruct(tuple(shape), REAL_OF[dtype])
+
+    if OWN_RESULT_FACTORS:
+
+        @jd.sharding
+        def partition(self, y):
+            return _resized_rule("c2r", self.axes, len(y.shape))
 
     @jd.forward
     def apply(self, y, *, out):

@@ -8,9 +8,11 @@ Sharding (API.md §7): ``dirty2vis`` declares its rows and channels
 independent (a visibility needs the whole image and its own row's ``uvw`` and
 channel's frequency), so visibilities sharded along rows or channels are
 predicted on each device without a gather; the transpose sums the
-per-device images. ``vis2dirty`` has result dims (the image) that no input
-has, which a sharding rule cannot express yet: it declares nothing and XLA
-gathers its inputs.
+per-device images. ``vis2dirty`` sums over rows and channels (``reduce``):
+each device grids its own visibilities and the partial images are added up.
+The image dims are factors no input has, which it declares only where
+jaxdecl accepts them (:data:`OWN_RESULT_FACTORS`); otherwise XLA gathers its
+inputs.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import numpy as np
 
 import jaxdecl as jd
 
-from ._checks import COMPLEX_OF, REAL_OF, check_dtype
+from ._checks import COMPLEX_OF, OWN_RESULT_FACTORS, REAL_OF, check_dtype
 
 
 def _check_visibility_coords(name: str, uvw, freq) -> None:
@@ -164,6 +166,13 @@ class vis2dirty(_WGridder, jd.Primitive, linear=True, nondiff=("uvw", "freq")):
                 f"freq, got {tuple(vis.shape)}"
             )
         return jax.ShapeDtypeStruct((self.npix_x, self.npix_y), REAL_OF[dtype])
+
+    if OWN_RESULT_FACTORS:
+
+        @jd.sharding
+        def partition(self, uvw, freq, vis):
+            return jd.ShardingRule("r t, c, r c -> x y", replicate=("t", "x", "y"),
+                                   reduce=("r", "c"))
 
     @jd.forward
     def apply(self, uvw, freq, vis, *, out):
