@@ -1,4 +1,4 @@
-"""Argument checks and dtype pairs shared by every DUCC transform family.
+"""Argument checks, dtype pairs and sharding support shared by every DUCC transform family.
 
 DUCC computes in float32/float64 and complex64/complex128 only, and many of
 its transforms map one precision's real type to the same precision's complex
@@ -10,6 +10,8 @@ admits the complex types, ``COMPLEX_OF`` the real ones.
 from __future__ import annotations
 
 import numpy as np
+
+import jaxdecl as jd
 
 COMPLEX_OF = {np.dtype("float32"): np.dtype("complex64"),
               np.dtype("float64"): np.dtype("complex128")}
@@ -24,3 +26,20 @@ def check_dtype(name: str, dtype, allowed) -> np.dtype:
             f"{name} takes {' or '.join(str(d) for d in allowed)} input, got {dtype}"
         )
     return dtype
+
+
+def _results_may_have_own_factors() -> bool:
+    """Whether a sharding rule may give a result a dim no input has (listed in replicate=).
+
+    Transforms that change a dim's length (r2c's last axis, a_lm -> map pixels,
+    points -> grid) need such a factor. Where jaxdecl does not accept one yet,
+    those ops declare nothing and XLA gathers their inputs (still correct).
+    """
+    try:
+        jd.ShardingRule("a -> b", replicate=("a", "b"))
+    except jd.DeclarationError:
+        return False
+    return True
+
+
+OWN_RESULT_FACTORS = _results_may_have_own_factors()

@@ -3,6 +3,15 @@
 All four transform any subset of the axes of an n-d array in one DUCC call.
 They share how the axes are stored and checked, and one ``@batch`` rule that
 folds a ``vmap`` axis into that call instead of looping over the batch.
+
+Sharding (API.md §7): ``c2c`` and ``genuine_fht`` declare every axis they do
+not transform independent and the transformed axes ``replicate``, so under
+``jax.jit`` an array sharded along an untransformed axis is transformed block
+by block on each device, with no gather. ``r2c`` and ``c2r`` change the length
+of their last transformed axis: the result has a factor of its own there
+(``"d0 d1 -> d0 m"``), which they declare only where jaxdecl accepts such a
+factor (:data:`OWN_RESULT_FACTORS`); otherwise they declare nothing and stay
+correct under any sharding, XLA gathering their input.
 """
 
 from __future__ import annotations
@@ -13,7 +22,7 @@ import numpy as np
 
 import jaxdecl as jd
 
-from ._checks import COMPLEX_OF, REAL_OF, check_dtype
+from ._checks import COMPLEX_OF, OWN_RESULT_FACTORS, REAL_OF, check_dtype
 
 
 def _normalize_axes(name: str, axes, ndim: int) -> tuple:
@@ -55,6 +64,23 @@ def _fold_batch_axis(axes, ndim: int, batch_axis: int) -> tuple:
     return tuple(a + (a >= batch_axis) for a in element_axes)
 
 
+def _per_axis_rule(name: str, axes, ndim: int) -> jd.ShardingRule:
+    """One factor per axis, ``"d0 d1 -> d0 d1"``; the transformed axes are needed whole."""
+    dims = [f"d{i}" for i in range(ndim)]
+    value = " ".join(dims)
+    return jd.ShardingRule(f"{value} -> {value}",
+                           replicate=tuple(dims[a] for a in _normalize_axes(name, axes, ndim)))
+
+
+def _resized_rule(name: str, axes, ndim: int) -> jd.ShardingRule:
+    """As :func:`_per_axis_rule`, the last transformed axis resized: a result factor ``m``."""
+    axes = _normalize_axes(name, axes, ndim)
+    dims = [f"d{i}" for i in range(ndim)]
+    out = dims[: axes[-1]] + ["m"] + dims[axes[-1] + 1:]
+    return jd.ShardingRule(f"{' '.join(dims)} -> {' '.join(out)}",
+                           replicate=tuple(dims[a] for a in axes) + ("m",))
+
+
 class _FFTBatch:
     """Shared ``@batch`` rule: fold the vmap axis into DUCC's own multi-axis call.
 
@@ -83,7 +109,9 @@ class c2c(_FFTBatch, jd.Primitive, linear=True):
         nthreads: DUCC threads per call (0: all hardware threads).
 
     Input and output are complex64 or complex128 of the same shape. The adjoint
-    is the transform in the other direction with the same ``inorm``.
+    is the transform in the other direction with the same ``inorm``. Axes not
+    in `axes` are independent: under ``jax.jit`` each device transforms its own
+    block of an input sharded along them.
 
     Example:
         >>> import numpy as np
@@ -106,6 +134,10 @@ class c2c(_FFTBatch, jd.Primitive, linear=True):
         check_dtype("c2c", x.dtype, REAL_OF)
         _normalize_axes("c2c", self.axes, len(x.shape))
         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.sharding
+    def partition(self, x):
+        return _per_axis_rule("c2c", self.axes, len(x.shape))
 
     @jd.forward
     def apply(self, x, *, out):
@@ -154,6 +186,12 @@ class r2c(_FFTBatch, jd.Primitive, linear=True):
         shape = list(x.shape)
         shape[axes[-1]] = shape[axes[-1]] // 2 + 1
         return jax.ShapeDtypeStruct(tuple(shape), COMPLEX_OF[dtype])
+
+    if OWN_RESULT_FACTORS:
+
+        @jd.sharding
+        def partition(self, x):
+            return _resized_rule("r2c", self.axes, len(x.shape))
 
     @jd.forward
     def apply(self, x, *, out):
@@ -215,6 +253,12 @@ class c2r(_FFTBatch, jd.Primitive, linear=True):
         shape[axes[-1]] = self.lastsize
         return jax.ShapeDtypeStruct(tuple(shape), REAL_OF[dtype])
 
+    if OWN_RESULT_FACTORS:
+
+        @jd.sharding
+        def partition(self, y):
+            return _resized_rule("c2r", self.axes, len(y.shape))
+
     @jd.forward
     def apply(self, y, *, out):
         ducc0.fft.c2r(y, axes=_normalize_axes("c2r", self.axes, y.ndim),
@@ -258,6 +302,10 @@ class genuine_fht(_FFTBatch, jd.Primitive, linear=True):
         check_dtype("genuine_fht", x.dtype, COMPLEX_OF)
         _normalize_axes("genuine_fht", self.axes, len(x.shape))
         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.sharding
+    def partition(self, x):
+        return _per_axis_rule("genuine_fht", self.axes, len(x.shape))
 
     @jd.forward
     def apply(self, x, *, out):

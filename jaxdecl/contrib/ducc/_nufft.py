@@ -2,6 +2,15 @@
 
 Each is the other's adjoint, so both ops are the same two DUCC calls in
 opposite roles; the point coordinates are a non-differentiable input.
+
+Sharding (API.md §7): ``u2nu`` declares its points independent (the value at
+a point needs the whole grid and that point's coordinates only), so points
+and coordinates sharded alike are evaluated on each device without a gather;
+the transpose sums the per-device grids. ``nu2u`` sums over its points
+(``reduce``): each device grids its own points and the partial grids are
+added up. Its grid dims are factors no input has, which it declares only
+where jaxdecl accepts them (:data:`OWN_RESULT_FACTORS`); otherwise XLA
+gathers its inputs.
 """
 
 from __future__ import annotations
@@ -12,7 +21,7 @@ import numpy as np
 
 import jaxdecl as jd
 
-from ._checks import COMPLEX_OF, REAL_OF, check_dtype
+from ._checks import COMPLEX_OF, OWN_RESULT_FACTORS, REAL_OF, check_dtype
 
 
 def _default_epsilon(dtype) -> float:
@@ -83,6 +92,12 @@ class u2nu(_NUFFT, jd.Primitive, linear=True, nondiff=("coord",)):
         _check_coord("u2nu", coord, len(grid.shape))
         return jax.ShapeDtypeStruct((coord.shape[0],), grid.dtype)
 
+    @jd.sharding
+    def partition(self, coord, grid):
+        dims = " ".join(f"g{i}" for i in range(len(grid.shape)))
+        return jd.ShardingRule(f"p k, {dims} -> p",
+                               replicate=("k",) + tuple(dims.split()))
+
     @jd.forward
     def apply(self, coord, grid, *, out):
         self._u2nu(coord, grid, out, self.forward)
@@ -126,6 +141,14 @@ class nu2u(_NUFFT, jd.Primitive, linear=True, nondiff=("coord",)):
                 f"{tuple(points.shape)}"
             )
         return jax.ShapeDtypeStruct(self.grid_shape, points.dtype)
+
+    if OWN_RESULT_FACTORS:
+
+        @jd.sharding
+        def partition(self, coord, points):
+            grid = tuple(f"g{i}" for i in range(len(self.grid_shape)))
+            return jd.ShardingRule(f"p k, p -> {' '.join(grid)}",
+                                   replicate=("k",) + grid, reduce=("p",))
 
     @jd.forward
     def apply(self, coord, points, *, out):

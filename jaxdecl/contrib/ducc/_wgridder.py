@@ -3,6 +3,16 @@
 Degridding and gridding are each other's adjoint, so both ops are the same
 two DUCC calls in opposite roles; ``uvw`` and ``freq`` are non-differentiable
 inputs.
+
+Sharding (API.md §7): ``dirty2vis`` declares its rows and channels
+independent (a visibility needs the whole image and its own row's ``uvw`` and
+channel's frequency), so visibilities sharded along rows or channels are
+predicted on each device without a gather; the transpose sums the
+per-device images. ``vis2dirty`` sums over rows and channels (``reduce``):
+each device grids its own visibilities and the partial images are added up.
+The image dims are factors no input has, which it declares only where
+jaxdecl accepts them (:data:`OWN_RESULT_FACTORS`); otherwise XLA gathers its
+inputs.
 """
 
 from __future__ import annotations
@@ -13,7 +23,7 @@ import numpy as np
 
 import jaxdecl as jd
 
-from ._checks import COMPLEX_OF, REAL_OF, check_dtype
+from ._checks import COMPLEX_OF, OWN_RESULT_FACTORS, REAL_OF, check_dtype
 
 
 def _check_visibility_coords(name: str, uvw, freq) -> None:
@@ -101,6 +111,10 @@ class dirty2vis(_WGridder, jd.Primitive, linear=True, nondiff=("uvw", "freq")):
         _check_image_shape("dirty2vis", dirty.shape)
         return jax.ShapeDtypeStruct((uvw.shape[0], freq.shape[0]), COMPLEX_OF[dtype])
 
+    @jd.sharding
+    def partition(self, uvw, freq, dirty):
+        return jd.ShardingRule("r t, c, x y -> r c", replicate=("t", "x", "y"))
+
     @jd.forward
     def apply(self, uvw, freq, dirty, *, out):
         self._degrid(uvw, freq, dirty, vis=out)
@@ -152,6 +166,13 @@ class vis2dirty(_WGridder, jd.Primitive, linear=True, nondiff=("uvw", "freq")):
                 f"freq, got {tuple(vis.shape)}"
             )
         return jax.ShapeDtypeStruct((self.npix_x, self.npix_y), REAL_OF[dtype])
+
+    if OWN_RESULT_FACTORS:
+
+        @jd.sharding
+        def partition(self, uvw, freq, vis):
+            return jd.ShardingRule("r t, c, r c -> x y", replicate=("t", "x", "y"),
+                                   reduce=("r", "c"))
 
     @jd.forward
     def apply(self, uvw, freq, vis, *, out):
