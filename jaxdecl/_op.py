@@ -170,6 +170,8 @@ class OpHandle:
         pin = call.kernel.pin() if call is not None else None
         if pin is None:
             layout = self.layout(primals, instance)
+            if self.declares_sharding:  # a declaration that does not fit fails here, named
+                self.sharding(primals, instance)
             in_shapes = tuple(shape for shape, _ in layout.inputs)
             kernel, pin = self.kernel(instance, FORWARD, -1, primals, (), in_shapes)
             if layout.structured:

@@ -127,11 +127,13 @@ class ShardingRule:
             raise DeclarationError(
                 f"{owner}: factor(s) {sorted(both)} are in both replicate= and reduce=; a "
                 f"factor is needed whole or summed over, not both")
-        only_out = used_out - used_in
+        # A result dim that no input has (a padded or resized axis) is computed
+        # whole by every rule: it must be declared replicate.
+        only_out = used_out - used_in - set(self.replicate)
         if only_out:
             raise DeclarationError(
                 f"{owner}: sharding rule {rule!r}: factor(s) {sorted(only_out)} appear in the "
-                f"results only; every factor must be a dim of some input")
+                f"results only; list such a factor in replicate= (no input can split it)")
         for name in self.reduce:
             if name in used_out:
                 raise DeclarationError(

@@ -10,9 +10,7 @@ receives, so the checks see whether a rule ran on a device's block or on the
 whole array.
 
 Ops whose results have dims no input has (r2c, the syntheses, nu2u,
-vis2dirty) declare a rule only where jaxdecl accepts such factors
-(``OWN_RESULT_FACTORS``, reported in the JSON line): then they are checked
-for per-shard runs as well, otherwise for values only.
+vis2dirty) declare those dims replicate and split along the others.
 """
 
 import json
@@ -28,7 +26,6 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxdecl.contrib import ducc  # noqa: E402
-from jaxdecl.contrib.ducc._checks import OWN_RESULT_FACTORS  # noqa: E402
 
 CALLS: list = []  # (DUCC function, shape of its main array argument)
 
@@ -220,16 +217,15 @@ def automatic(checks: dict) -> None:
     image = jax.jit(v2d)
     vs = put(vis, "d")
     checks["vis2dirty: value"] = _close(image(us, freq, vs), v2d(uvw, freq, vis), 1e-9)
-    if OWN_RESULT_FACTORS:
-        checks["sht batch: no gather"] = _no_gather(batch, als)
-        checks["sht batch: local blocks"] = _shapes(_calls(batch, als), (2, 1, ducc.nalm(8)))
-        checks["sht batch grad: no gather"] = _no_gather(energy, als)
-        checks["r2c: no gather"] = _no_gather(r2c, rs)
-        checks["r2c: local blocks"] = _shapes(_calls(r2c, rs), (2, 64))
-        checks["nu2u: no gather"] = _no_gather(grid_of, cs, ps)
-        checks["nu2u: local blocks"] = _shapes(_calls(grid_of, cs, ps), (16, 2))
-        checks["vis2dirty: no gather"] = _no_gather(image, us, freq, vs)
-        checks["vis2dirty: local blocks"] = _shapes(_calls(image, us, freq, vs), (8, 3))
+    checks["sht batch: no gather"] = _no_gather(batch, als)
+    checks["sht batch: local blocks"] = _shapes(_calls(batch, als), (2, 1, ducc.nalm(8)))
+    checks["sht batch grad: no gather"] = _no_gather(energy, als)
+    checks["r2c: no gather"] = _no_gather(r2c, rs)
+    checks["r2c: local blocks"] = _shapes(_calls(r2c, rs), (2, 64))
+    checks["nu2u: no gather"] = _no_gather(grid_of, cs, ps)
+    checks["nu2u: local blocks"] = _shapes(_calls(grid_of, cs, ps), (16, 2))
+    checks["vis2dirty: no gather"] = _no_gather(image, us, freq, vs)
+    checks["vis2dirty: local blocks"] = _shapes(_calls(image, us, freq, vs), (8, 3))
 
 
 def explicit(checks: dict) -> None:
@@ -269,8 +265,7 @@ def main() -> None:
             scenario(checks)
         except Exception as error:  # noqa: BLE001 - one failure must not hide the rest
             checks[f"{scenario.__name__}: ran"] = f"{type(error).__name__}: {error}"[:2000]
-    print(json.dumps({"checks": {k: (v if v is True else str(v)) for k, v in checks.items()},
-                      "own_result_factors": OWN_RESULT_FACTORS}))
+    print(json.dumps({"checks": {k: (v if v is True else str(v)) for k, v in checks.items()}}))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from conftest import subprocess_env
 
 import jaxdecl as jd
 from jaxdecl.contrib import ducc
-from jaxdecl.contrib.ducc._checks import OWN_RESULT_FACTORS
 
 HELPER = os.path.join(os.path.dirname(__file__), "helpers_ducc_sharding.py")
 
@@ -68,13 +67,10 @@ RESIZING = {
 
 @pytest.mark.parametrize("name", sorted(RESIZING))
 def test_ops_with_result_only_dims(name):
-    """Declared where jaxdecl accepts result-only factors; otherwise no declaration at all."""
+    """Result-only dims are declared replicate; the rule fits the op's own shapes."""
     op, args, rule = RESIZING[name]
-    if OWN_RESULT_FACTORS:
-        assert _declared(op, *args) == jd.ShardingRule(**rule)
-    else:
-        assert not hasattr(op, "partition")
-    op(*args)  # the declaration (or its absence) fits the op's own shapes
+    assert _declared(op, *args) == jd.ShardingRule(**rule)
+    op(*args)
 
 
 @pytest.mark.parametrize("op, args", [
@@ -98,4 +94,4 @@ def test_multi_device():
     checks = json.loads(lines[-1])["checks"]
     failed = {name: value for name, value in checks.items() if value is not True}
     assert not failed, failed
-    assert len(checks) >= (61 if OWN_RESULT_FACTORS else 52)
+    assert len(checks) >= 61

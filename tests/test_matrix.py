@@ -1,9 +1,11 @@
 """Call-context matrix: every op form in every calling context, against jax.numpy.
 
 Each op form is a small jaxdecl class with an independent pure-jax.numpy reference;
-each calling context (eager, jit, closure constants, keywords, control flow,
-checkpoint, eval_shape, vmap, derivatives, ...) runs the op and the reference the same
-way and compares values, shapes and dtypes. Combinations that make no sense (the
+inputs and outputs are arrays or, for the pytree forms, pytrees of them (dicts,
+NamedTuples, tuples of those, with an integer leaf among the outputs). Each calling
+context (eager, jit, closure constants, keywords, control flow, checkpoint, eval_shape,
+vmap, derivatives, ...) runs the op and the reference the same way and compares
+values, shapes, dtypes and pytree structure. Combinations that make no sense (the
 gradient of an op without inputs, linear_transpose of a nonlinear op) are listed as
 skips with their reason.
 """
@@ -20,6 +22,7 @@ import tempfile
 import textwrap
 import zlib
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -295,6 +298,86 @@ def scale_count_ref(x, n):
     return (x * n).astype(x.dtype), (n + 1).astype(n.dtype)
 
 
+class AffineSin(jd.Primitive):
+    """(i) pytrees, return form: x and a dict of parameters in, a dict of two float outputs out:
+    {"y": scale * sin(x) + shift, "z": x * shift}, with NumPy @jvp and @vjp on those dicts."""
+
+    @jd.abstract
+    def shapes(self, x, params):
+        return {"y": _same(x), "z": _same(x)}
+
+    @jd.forward
+    def apply(self, x, params):
+        assert type(params) is dict and sorted(params) == ["scale", "shift"]
+        return {"y": params["scale"] * np.sin(x) + params["shift"], "z": x * params["shift"]}
+
+    @jd.jvp
+    def push(self, x, params, dx, dparams):
+        assert sorted(dparams) == ["scale", "shift"]
+        scale, shift = params["scale"], params["shift"]
+        return {"y": scale * np.cos(x) * dx + np.sin(x) * dparams["scale"] + dparams["shift"],
+                "z": shift * dx + x * dparams["shift"]}
+
+    @jd.vjp
+    def pull(self, x, params, ct):
+        ct_y, ct_z = ct["y"], ct["z"]
+        return (params["scale"] * np.cos(x) * ct_y + params["shift"] * ct_z,
+                {"scale": np.sin(x) * ct_y, "shift": ct_y + x * ct_z})
+
+
+def affine_sin_ref(x, params):
+    return {"y": params["scale"] * jnp.sin(x) + params["shift"], "z": x * params["shift"]}
+
+
+class Pair(NamedTuple):
+    a: jax.Array
+    b: jax.Array
+
+
+class Stats(NamedTuple):
+    y: jax.Array
+    sign: jax.Array
+
+
+class StatsInto(jd.Primitive):
+    """(j) pytrees, zero-copy form: (x, Pair(a, b)) -> (Stats(y, sign), {"sum": ...}) with
+    y = x * sin(a), sign = sign(Re x - Re b) as int32 (no tangent) and sum = x + b. Every rule
+    fills `out`, the same pytrees of views (None where an integer leaf has no tangent)."""
+
+    @jd.abstract
+    def shapes(self, x, pair):
+        return Stats(_same(x), jax.ShapeDtypeStruct(x.shape, np.int32)), {"sum": _same(x)}
+
+    @jd.forward
+    def apply(self, x, pair, *, out):
+        assert type(pair) is Pair
+        stats, totals = out
+        assert type(stats) is Stats and stats.sign.dtype == np.int32
+        np.multiply(x, np.sin(pair.a), out=stats.y)
+        stats.sign[...] = np.sign(np.real(x) - np.real(pair.b))
+        np.add(x, pair.b, out=totals["sum"])
+
+    @jd.jvp
+    def push(self, x, pair, dx, dpair, *, out):
+        stats, totals = out
+        assert type(dpair) is Pair and type(stats) is Stats and stats.sign is None
+        stats.y[...] = np.sin(pair.a) * dx + x * np.cos(pair.a) * dpair.a
+        np.add(dx, dpair.b, out=totals["sum"])
+
+    @jd.vjp
+    def pull(self, x, pair, ct_stats, ct_totals, *, out):
+        ct_x, ct_pair = out
+        assert type(ct_stats) is Stats and ct_stats.sign is None and type(ct_pair) is Pair
+        ct_x[...] = np.sin(pair.a) * ct_stats.y + ct_totals["sum"]
+        np.multiply(x * np.cos(pair.a), ct_stats.y, out=ct_pair.a)
+        ct_pair.b[...] = ct_totals["sum"]
+
+
+def stats_ref(x, pair):
+    sign = jnp.sign(jnp.real(x) - jnp.real(pair.b)).astype(jnp.int32)
+    return Stats(x * jnp.sin(pair.a), sign), {"sum": x + pair.b}
+
+
 # ---------------------------------------------------------------------------
 # Forms: an op, its reference and example inputs
 # ---------------------------------------------------------------------------
@@ -311,17 +394,18 @@ def _values(rng, shape, dtype):
 class Form:
     op: Callable[[], Callable]  # returns the (shared) op instance
     ref: Callable  # pure jax.numpy reference with the op's signature
-    args: Callable  # (rng, dtype) -> tuple of NumPy inputs
+    args: Callable  # (rng, dtype) -> tuple of inputs: NumPy arrays or pytrees of them
     names: tuple  # the op's parameter names
     diff: tuple  # positions of the differentiable inputs
     dtypes: tuple
-    in_axes: tuple  # vmap in_axes (one per input)
+    in_axes: tuple  # vmap in_axes, one per input: an axis, None or a pytree prefix of the input
     scalars: Callable | None  # args -> the same inputs with Python scalars where they fit
     linear: str = ""  # "linear" or "multilinear"
 
 
 _OPS = {"return": XSinY(), "out": XSinYInto(), "linear": MatVec(), "multilinear": Product(),
-        "nondiff": ScaledRoll(), "multi_output": SumProdBigger(), "float_and_int": ScaleCount()}
+        "nondiff": ScaledRoll(), "multi_output": SumProdBigger(), "float_and_int": ScaleCount(),
+        "pytree": AffineSin(), "pytree_out": StatsInto()}
 
 
 def _shared(name):
@@ -333,7 +417,18 @@ def _pair(shape):
 
 
 def _python_scalars(args):
-    return tuple(a.flat[0].item() for a in args)
+    """Every leaf of every input replaced by its first element as a Python scalar."""
+    return jax.tree.map(lambda a: a.flat[0].item(), tuple(args))
+
+
+def _affine_args(rng, dtype):
+    return (_values(rng, (3,), dtype),
+            {"scale": _values(rng, (3,), dtype), "shift": _values(rng, (3,), dtype)})
+
+
+def _stats_args(rng, dtype):
+    return _values(rng, (2, 3), dtype), Pair(_values(rng, (2, 3), dtype),
+                                             _values(rng, (2, 3), dtype))
 
 
 FORMS = {
@@ -367,6 +462,13 @@ FORMS = {
         _shared("float_and_int"), scale_count_ref,
         lambda rng, dtype: (_values(rng, (3,), dtype), np.array([1, -2, 3], np.int32)),
         ("x", "n"), (0,), ("float64", "complex64"), (0, 0), _python_scalars),
+    "pytree": Form(
+        _shared("pytree"), affine_sin_ref, _affine_args, ("x", "params"), (0, 1),
+        ("float32", "float64", "complex128"), (0, {"scale": None, "shift": 0}),
+        _python_scalars),
+    "pytree_out": Form(
+        _shared("pytree_out"), stats_ref, _stats_args, ("x", "pair"), (0, 1),
+        ("float64", "complex64"), (1, Pair(0, None)), _python_scalars),
 }
 
 _ARANGE = {dtype: Arange(dtype) for dtype in FORMS["no_inputs"].dtypes}
@@ -447,8 +549,16 @@ def _perturbed(value, k):
 
 
 def _stacked(args, axes, size=3):
-    return tuple(a if ax is None else np.stack([_perturbed(a, k) for k in range(size)], axis=ax)
-                 for a, ax in zip(args, axes))
+    """A batch of `size` along `axes` (per input: an axis, None or a pytree prefix of it)."""
+
+    def stack(ax, value):
+        if ax is None:
+            return value
+        return jax.tree.map(
+            lambda a: np.stack([_perturbed(a, k) for k in range(size)], axis=ax), value)
+
+    return tuple(jax.tree.map(stack, ax, a, is_leaf=lambda node: node is None)
+                 for a, ax in zip(args, axes, strict=True))
 
 
 def _of_diff(f, s):
@@ -465,9 +575,8 @@ def _of_diff(f, s):
 
 @jax.jit
 def _loss(outputs):
-    """Σ|o|² over the floating outputs: a real scalar, compiled once per structure."""
-    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-    return sum(jnp.sum(jnp.real(o * jnp.conj(o))) for o in outputs
+    """Σ|o|² over the floating output leaves: a real scalar, compiled once per structure."""
+    return sum(jnp.sum(jnp.real(o * jnp.conj(o))) for o in jax.tree.leaves(outputs)
                if jnp.issubdtype(o.dtype, jnp.inexact))
 
 
@@ -487,9 +596,9 @@ def _ref_grad(s):
 
 
 def ctx_eager(s):
-    out = s.op(*s.args)
-    assert isinstance(out, tuple if isinstance(s.ref(*s.args), tuple) else jax.Array)
-    _close(out, s.ref(*s.args), s.dtype)
+    out, expected = s.op(*s.args), s.ref(*s.args)
+    assert isinstance(out, jax.Array if isinstance(expected, jax.Array) else type(expected))
+    _close(out, expected, s.dtype)
 
 
 def ctx_jit(s):
@@ -548,8 +657,8 @@ def ctx_scan(s):
         return carry + 1, s.op(*a)
 
     count, ys = jax.jit(lambda xs: lax.scan(body, 0, xs, length=2))(xs)
-    expected = jax.tree.map(lambda *r: jnp.stack(r),
-                            *[s.ref(*[np.asarray(x)[k] for x in xs]) for k in range(2)])
+    expected = jax.tree.map(lambda *r: jnp.stack(r), *[
+        s.ref(*jax.tree.map(lambda x, k=k: np.asarray(x)[k], xs)) for k in range(2)])
     assert int(count) == 2
     _close(ys, expected, s.dtype)
 
@@ -665,33 +774,32 @@ def ctx_vmap_grad(s):
 
 
 def ctx_check_grads(s):
-    def inexact_outputs(*a):  # integer outputs have no derivative to check
-        out = s.op(*a)
-        if not isinstance(out, tuple):
-            return out
-        return tuple(o for o in out if jnp.issubdtype(o.dtype, jnp.inexact))
+    def inexact_outputs(*a):  # integer outputs have no derivative to check: dropped
+        return jax.tree.map(lambda o: o if jnp.issubdtype(o.dtype, jnp.inexact) else None,
+                            s.op(*a))
 
     g, diff = _of_diff(inexact_outputs, s)
     check_grads(g, diff, order=1, modes=("fwd", "rev"), eps=1e-6, atol=1e-5, rtol=1e-5)
 
 
+def _direction(rng, struct):
+    """A random tangent or cotangent for an array (or ShapeDtypeStruct) leaf."""
+    if jnp.issubdtype(struct.dtype, jnp.inexact):
+        return _values(rng, struct.shape, struct.dtype)
+    return np.zeros(struct.shape, jax.dtypes.float0)  # integer leaves take none
+
+
 def ctx_jvp(s):
     g, diff = _of_diff(s.op, s)
     ref_g, _ = _of_diff(s.ref, s)
-    tangents = tuple(_values(s.rng, np.shape(d), np.asarray(d).dtype) for d in diff)
+    tangents = jax.tree.map(lambda d: _direction(s.rng, np.asarray(d)), diff)
     _close(jax.jvp(g, diff, tangents), jax.jvp(ref_g, diff, tangents), s.dtype)
-
-
-def _cotangent(rng, struct):
-    if jnp.issubdtype(struct.dtype, jnp.inexact):
-        return _values(rng, struct.shape, struct.dtype)
-    return np.zeros(struct.shape, jax.dtypes.float0)  # integer outputs take no cotangent
 
 
 def ctx_vjp(s):
     g, diff = _of_diff(s.op, s)
     ref_g, _ = _of_diff(s.ref, s)
-    cts = jax.tree.map(lambda o: _cotangent(s.rng, o), jax.eval_shape(ref_g, *diff))
+    cts = jax.tree.map(lambda o: _direction(s.rng, o), jax.eval_shape(ref_g, *diff))
     out, pullback = jax.vjp(g, *diff)
     ref_out, ref_pullback = jax.vjp(ref_g, *diff)
     _close(out, ref_out, s.dtype)

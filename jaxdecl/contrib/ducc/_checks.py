@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 
-import jaxdecl as jd
-
 COMPLEX_OF = {np.dtype("float32"): np.dtype("complex64"),
               np.dtype("float64"): np.dtype("complex128")}
 REAL_OF = {c: r for r, c in COMPLEX_OF.items()}
@@ -26,20 +24,3 @@ def check_dtype(name: str, dtype, allowed) -> np.dtype:
             f"{name} takes {' or '.join(str(d) for d in allowed)} input, got {dtype}"
         )
     return dtype
-
-
-def _results_may_have_own_factors() -> bool:
-    """Whether a sharding rule may give a result a dim no input has (listed in replicate=).
-
-    Transforms that change a dim's length (r2c's last axis, a_lm -> map pixels,
-    points -> grid) need such a factor. Where jaxdecl does not accept one yet,
-    those ops declare nothing and XLA gathers their inputs (still correct).
-    """
-    try:
-        jd.ShardingRule("a -> b", replicate=("a", "b"))
-    except jd.DeclarationError:
-        return False
-    return True
-
-
-OWN_RESULT_FACTORS = _results_may_have_own_factors()

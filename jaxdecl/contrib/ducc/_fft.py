@@ -9,9 +9,8 @@ not transform independent and the transformed axes ``replicate``, so under
 ``jax.jit`` an array sharded along an untransformed axis is transformed block
 by block on each device, with no gather. ``r2c`` and ``c2r`` change the length
 of their last transformed axis: the result has a factor of its own there
-(``"d0 d1 -> d0 m"``), which they declare only where jaxdecl accepts such a
-factor (:data:`OWN_RESULT_FACTORS`); otherwise they declare nothing and stay
-correct under any sharding, XLA gathering their input.
+(``"d0 d1 -> d0 m"``, ``m`` replicated), so they split along the axes they
+do not transform in the same way.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import numpy as np
 
 import jaxdecl as jd
 
-from ._checks import COMPLEX_OF, OWN_RESULT_FACTORS, REAL_OF, check_dtype
+from ._checks import COMPLEX_OF, REAL_OF, check_dtype
 
 
 def _normalize_axes(name: str, axes, ndim: int) -> tuple:
@@ -187,11 +186,9 @@ class r2c(_FFTBatch, jd.Primitive, linear=True):
         shape[axes[-1]] = shape[axes[-1]] // 2 + 1
         return jax.ShapeDtypeStruct(tuple(shape), COMPLEX_OF[dtype])
 
-    if OWN_RESULT_FACTORS:
-
-        @jd.sharding
-        def partition(self, x):
-            return _resized_rule("r2c", self.axes, len(x.shape))
+    @jd.sharding
+    def partition(self, x):
+        return _resized_rule("r2c", self.axes, len(x.shape))
 
     @jd.forward
     def apply(self, x, *, out):
@@ -253,11 +250,9 @@ class c2r(_FFTBatch, jd.Primitive, linear=True):
         shape[axes[-1]] = self.lastsize
         return jax.ShapeDtypeStruct(tuple(shape), REAL_OF[dtype])
 
-    if OWN_RESULT_FACTORS:
-
-        @jd.sharding
-        def partition(self, y):
-            return _resized_rule("c2r", self.axes, len(y.shape))
+    @jd.sharding
+    def partition(self, y):
+        return _resized_rule("c2r", self.axes, len(y.shape))
 
     @jd.forward
     def apply(self, y, *, out):

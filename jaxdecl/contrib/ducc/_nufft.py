@@ -8,9 +8,7 @@ a point needs the whole grid and that point's coordinates only), so points
 and coordinates sharded alike are evaluated on each device without a gather;
 the transpose sums the per-device grids. ``nu2u`` sums over its points
 (``reduce``): each device grids its own points and the partial grids are
-added up. Its grid dims are factors no input has, which it declares only
-where jaxdecl accepts them (:data:`OWN_RESULT_FACTORS`); otherwise XLA
-gathers its inputs.
+added up. Its grid dims are factors no input has (replicated).
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ import numpy as np
 
 import jaxdecl as jd
 
-from ._checks import COMPLEX_OF, OWN_RESULT_FACTORS, REAL_OF, check_dtype
+from ._checks import COMPLEX_OF, REAL_OF, check_dtype
 
 
 def _default_epsilon(dtype) -> float:
@@ -142,13 +140,11 @@ class nu2u(_NUFFT, jd.Primitive, linear=True, nondiff=("coord",)):
             )
         return jax.ShapeDtypeStruct(self.grid_shape, points.dtype)
 
-    if OWN_RESULT_FACTORS:
-
-        @jd.sharding
-        def partition(self, coord, points):
-            grid = tuple(f"g{i}" for i in range(len(self.grid_shape)))
-            return jd.ShardingRule(f"p k, p -> {' '.join(grid)}",
-                                   replicate=("k",) + grid, reduce=("p",))
+    @jd.sharding
+    def partition(self, coord, points):
+        grid = tuple(f"g{i}" for i in range(len(self.grid_shape)))
+        return jd.ShardingRule(f"p k, p -> {' '.join(grid)}",
+                               replicate=("k",) + grid, reduce=("p",))
 
     @jd.forward
     def apply(self, coord, points, *, out):

@@ -7,9 +7,7 @@ and the adjoint live in one shared base class.
 Sharding (API.md §7): everything one synthesis needs is whole (``replicate``):
 its components, its a_lm and its pixels, so a batch of maps (``vmap``) is
 what splits across devices, each synthesising its own maps. The map's pixels
-are a factor no input has, which the syntheses declare only where jaxdecl
-accepts one (:data:`OWN_RESULT_FACTORS`); otherwise they declare nothing and
-stay correct under any sharding, XLA gathering the batch onto every device.
+are a factor no input has (replicated).
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ import numpy as np
 
 import jaxdecl as jd
 
-from ._checks import OWN_RESULT_FACTORS, REAL_OF, check_dtype
+from ._checks import REAL_OF, check_dtype
 
 
 def nalm(lmax: int, mmax: int | None = None) -> int:
@@ -121,13 +119,11 @@ class _Synthesis:
             )
         return jax.ShapeDtypeStruct((self.ncomp,) + self.map_shape, REAL_OF[dtype])
 
-    if OWN_RESULT_FACTORS:
-
-        @jd.sharding
-        def partition(self, alm):
-            pixels = tuple(f"p{i}" for i in range(len(self.map_shape)))
-            return jd.ShardingRule(f"c l -> c {' '.join(pixels)}",
-                                   replicate=("c", "l") + pixels)
+    @jd.sharding
+    def partition(self, alm):
+        pixels = tuple(f"p{i}" for i in range(len(self.map_shape)))
+        return jd.ShardingRule(f"c l -> c {' '.join(pixels)}",
+                               replicate=("c", "l") + pixels)
 
     # batch="vectorized": leading batch dimensions arrive on every operand;
     # DUCC takes one leading "ntrans" axis, so they are flattened into it.

@@ -10,9 +10,7 @@ channel's frequency), so visibilities sharded along rows or channels are
 predicted on each device without a gather; the transpose sums the
 per-device images. ``vis2dirty`` sums over rows and channels (``reduce``):
 each device grids its own visibilities and the partial images are added up.
-The image dims are factors no input has, which it declares only where
-jaxdecl accepts them (:data:`OWN_RESULT_FACTORS`); otherwise XLA gathers its
-inputs.
+The image dims are factors no input has (replicated).
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ import numpy as np
 
 import jaxdecl as jd
 
-from ._checks import COMPLEX_OF, OWN_RESULT_FACTORS, REAL_OF, check_dtype
+from ._checks import COMPLEX_OF, REAL_OF, check_dtype
 
 
 def _check_visibility_coords(name: str, uvw, freq) -> None:
@@ -167,12 +165,10 @@ class vis2dirty(_WGridder, jd.Primitive, linear=True, nondiff=("uvw", "freq")):
             )
         return jax.ShapeDtypeStruct((self.npix_x, self.npix_y), REAL_OF[dtype])
 
-    if OWN_RESULT_FACTORS:
-
-        @jd.sharding
-        def partition(self, uvw, freq, vis):
-            return jd.ShardingRule("r t, c, r c -> x y", replicate=("t", "x", "y"),
-                                   reduce=("r", "c"))
+    @jd.sharding
+    def partition(self, uvw, freq, vis):
+        return jd.ShardingRule("r t, c, r c -> x y", replicate=("t", "x", "y"),
+                               reduce=("r", "c"))
 
     @jd.forward
     def apply(self, uvw, freq, vis, *, out):
