@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from ._errors import RuleError
 from ._layout import RuleIO
@@ -65,7 +66,7 @@ def _first_difference(expected, value) -> str:
     return "the top level"
 
 
-def _leaves_of(group, value, zeros_ok: bool):
+def _leaves_of(group, value):
     """`value`'s leaves in `group`'s leaf order (None: a zero); raises _Mismatch."""
     if group.tree is None:
         return [value]
@@ -89,7 +90,7 @@ def _leaves_of(group, value, zeros_ok: bool):
 def leaves_or_none(group, value) -> list:
     """`value`'s leaves in `group`'s order, where `value` may hold None for a subtree."""
     try:
-        return _leaves_of(group, value, True)
+        return _leaves_of(group, value)
     except _Mismatch:
         raise ValueError(f"{value!r:.200} does not match the structure {group.tree}") from None
 
@@ -110,7 +111,7 @@ def unpack(io: RuleIO, value, context: str) -> list:
     flat = [None] * len(io.out_names)
     for group, item in zip(groups, values):
         try:
-            leaves = _leaves_of(group, item, io.zeros_ok)
+            leaves = _leaves_of(group, item)
         except _Mismatch:
             expected = group.tree.unflatten(["*"] * len(group.slots))
             source = "its input's" if io.zeros_ok else "@abstract's"
@@ -161,8 +162,6 @@ def structured_rule(function, io: RuleIO, zero_copy: bool, context: str, n_head:
 
 def traceable_rule(function, io: RuleIO, context: str):
     """A traceable rule as ``f(*flat operands) -> list of flat results``, zeros filled."""
-    import jax.numpy as jnp
-
     def evaluate(*operands):
         if not io.structured:
             result = function(*operands)
