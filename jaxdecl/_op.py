@@ -430,13 +430,11 @@ def flatten_inputs(spec, args) -> tuple:
     """
     operands, primals = [], []
     for value, name in zip(args, spec.params):
-        if isinstance(value, _LEAVES) or value is None:  # None: the error of _as_operand
-            operand = _as_operand(value, spec, name)
-            operands.append(operand)
-            primals.append((tuple(operand.shape), operand.dtype))
-            continue
-        leaves, tree = jax.tree_util.tree_flatten(value)
-        if jax.tree_util.treedef_is_leaf(tree):  # a string, a callable, an object
+        # None (an empty pytree) and lone leaves (a string, a callable) get
+        # _as_operand's error; arrays and scalars are converted directly.
+        leaves, tree = ((), None) if isinstance(value, _LEAVES) or value is None else \
+            jax.tree_util.tree_flatten(value)
+        if tree is None or jax.tree_util.treedef_is_leaf(tree):
             operand = _as_operand(value, spec, name)
             operands.append(operand)
             primals.append((tuple(operand.shape), operand.dtype))
@@ -458,8 +456,7 @@ def flatten_inputs(spec, args) -> tuple:
 
 def rebuild(groups, single: bool, outs):
     """The op's return value from its flat outputs: arrays and pytrees as @abstract said."""
-    values = [outs[g.slots[0]] if g.tree is None else g.tree.unflatten([outs[s] for s in g.slots])
-              for g in groups]
+    values = _structure.pack(groups, outs)
     return values[0] if single else tuple(values)
 
 

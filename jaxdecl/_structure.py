@@ -166,8 +166,6 @@ def traceable_rule(function, io: RuleIO, context: str):
         if not io.structured:
             result = function(*operands)
             flat = list(result) if isinstance(result, (tuple, list)) else [result]
-            if io.single_result and isinstance(result, (tuple, list)) and len(result) != 1:
-                flat = [result]
         else:
             flat = unpack(io, function(*pack(io.args, operands)), context)
         return [jnp.zeros(*aval) if x is None else x for x, aval in zip(flat, io.out_avals)]
