@@ -4,9 +4,16 @@
 // kernel's fingerprint (and name, for messages), never an object address or
 // a process-local number, so that a program compiled, cached or serialized
 // in one process runs the same op in another, or fails with an error that
-// names it.  `jaxdecl_dispatch_eager` is the eager path's: one compiled
+// names it.  It has two stages.  When XLA instantiates an executable (after
+// compiling it, or loading it from a cache) each call site resolves its
+// fingerprint once into a `CallSite`: the kernel and a strong reference to
+// the op instance it calls.  XLA owns that state and destroys it with the
+// executable, after its last run has finished, so a program that is queued
+// or running always finds its kernel, whoever dropped the Python objects
+// that built it (async dispatch of a temporary `jax.jit`), and no lookup runs
+// per call.  `jaxdecl_dispatch_eager` is the eager path's: one compiled
 // executable per signature serves every op, the kernel's slot arriving as the
-// first operand.
+// first operand (the eager caller holds the op while it waits).
 //
 // Python kernels (built by jaxdecl/_runtime.py) get every buffer wrapped as a
 // NumPy array on XLA's own memory (inputs read-only, outputs writable, no
@@ -23,9 +30,11 @@
 #include <Python.h>
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <optional>
 #include <shared_mutex>
 #include <string>
@@ -278,22 +287,17 @@ std::string RunPythonKernel(const Kernel& kernel, ffi::RemainingArgs args,
   return error;
 }
 
-// `refind`: the fingerprint the kernel was found by, to find a live
-// registration when this one's op is gone (several can share a fingerprint).
-std::string RunPythonKernelWithGil(KernelPtr kernel, const Fingerprint* refind,
+// Runs a Python kernel.  `eager` calls come from the eager path, whose caller
+// pins the op; compiled call sites pin it themselves (see CallSite).
+std::string RunPythonKernelWithGil(const Kernel& kernel,
                                    ffi::RemainingArgs args,
                                    ffi::RemainingRets rets, bool eager) {
   // A thread Python has never seen is one of XLA's workers (see
   // g_worker_enter in registry.h's SetWorkerHooks).
   bool on_worker = PyGILState_GetThisThreadState() == nullptr;
   PyGILState_STATE gil = PyGILState_Ensure();
-  if (!kernel->Alive() && refind != nullptr) {
-    KernelPtr live = FindLiveByFingerprint(*refind);
-    if (live != nullptr) kernel = std::move(live);
-  }
-  if (!kernel->Alive()) {
-    std::string error = "jaxdecl: " + kernel->name + ": the op was deleted";
-    kernel.reset();  // its destructor takes the GIL itself; we hold it
+  if (!kernel.Alive()) {
+    std::string error = "jaxdecl: " + kernel.name + ": the op was deleted";
     PyGILState_Release(gil);
     return error;
   }
@@ -302,14 +306,13 @@ std::string RunPythonKernelWithGil(KernelPtr kernel, const Fingerprint* refind,
     token = PyObject_CallNoArgs(g_worker_enter);
     if (token == nullptr) PyErr_Clear();
   }
-  std::string error = RunPythonKernel(*kernel, args, rets, eager);
+  std::string error = RunPythonKernel(kernel, args, rets, eager);
   if (token != nullptr) {
     PyObject* done = PyObject_CallOneArg(g_worker_exit, token);
     if (done == nullptr) PyErr_Clear();
     Py_XDECREF(done);
     Py_DECREF(token);
   }
-  kernel.reset();  // a registration released meanwhile is destroyed here, GIL held
   PyGILState_Release(gil);
   return error;
 }
@@ -357,20 +360,18 @@ std::string Hex(const Fingerprint& f) {
   return text;
 }
 
-// `refind` is null on the eager path, whose slot names one registration.
-std::string Run(KernelPtr kernel, const Fingerprint* refind,
-                ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  if (kernel->c_function == nullptr) {
+std::string Run(const Kernel& kernel, ffi::RemainingArgs args,
+                ffi::RemainingRets rets, bool eager) {
+  if (kernel.c_function == nullptr) {
     if (!Py_IsInitialized()) return "jaxdecl: the Python interpreter is gone";
-    return RunPythonKernelWithGil(std::move(kernel), refind, args, rets,
-                                  /*eager=*/refind == nullptr);
+    return RunPythonKernelWithGil(kernel, args, rets, eager);
   }
   std::vector<jaxdecl_buffer> inputs, outputs;
   if (!Describe(args, &inputs) || !Describe(rets, &outputs)) {
     return "jaxdecl: an operand is not a buffer";
   }
-  std::string error = RunCKernel(kernel->c_function, inputs, outputs);
-  return error.empty() ? error : kernel->name + ": " + error;
+  std::string error = RunCKernel(kernel.c_function, inputs, outputs);
+  return error.empty() ? error : kernel.name + ": " + error;
 }
 
 ffi::Error AsError(const std::string& error) {
@@ -378,19 +379,105 @@ ffi::Error AsError(const std::string& error) {
   return ffi::Error(ffi::ErrorCode::kInternal, error);
 }
 
-ffi::Error Dispatch(int64_t hi, int64_t lo, std::string_view name,
-                    ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  Fingerprint fingerprint{static_cast<uint64_t>(hi), static_cast<uint64_t>(lo)};
-  KernelPtr kernel = FindByFingerprint(fingerprint);
-  if (kernel == nullptr) {
-    return AsError(
-        "jaxdecl: " + std::string(name) + " (kernel " + Hex(fingerprint) +
-        ") is not available in this process. This executable was compiled, "
-        "cached or serialized where the op existed; create the op here and "
-        "call it once (or trace the function again), and keep it alive while "
-        "the executable runs");
+// ---------------------------------------------------------------------------
+// Compiled call sites
+// ---------------------------------------------------------------------------
+
+// One `jaxdecl_dispatch` call site of one instantiated executable: the kernel
+// it runs and the op instance that kernel calls, held strongly.  Ownership:
+// XLA's executable -> CallSite -> (Kernel, op instance).  The registry's own
+// reference to the kernel may go first (the op's handle and the Python
+// executable dropped); this one keeps the kernel runnable until XLA destroys
+// the executable, which it does only after the executable's last run.
+struct CallSite {
+  static ffi::TypeId id;  // assigned when the type is registered with XLA
+  Fingerprint fingerprint;
+  std::string name;
+  // Set once, under the GIL; read without it once `resolved` is true.
+  std::atomic<bool> resolved{false};
+  KernelPtr kernel;
+  PyObject* pin = nullptr;  // a strong reference to the op instance, or null
+
+  ~CallSite() {
+    --live_call_sites;
+    if (pin == nullptr && kernel == nullptr) return;
+    if (!Py_IsInitialized()) {  // at exit: nothing left to release
+      new KernelPtr(std::move(kernel));  // never destroyed: it would need Python
+      return;
+    }
+    PyGILState_STATE gil = PyGILState_Ensure();
+    Py_XDECREF(pin);
+    kernel.reset();  // the Kernel's destructor takes the GIL too; reentrant
+    PyGILState_Release(gil);
   }
-  return AsError(Run(std::move(kernel), &fingerprint, args, rets));
+
+  static std::atomic<int64_t> live_call_sites;
+};
+
+ffi::TypeId CallSite::id = {};
+std::atomic<int64_t> CallSite::live_call_sites{0};
+
+// Finds a live registration for the site's fingerprint and pins its op.
+// GIL held.  False (site unchanged) when this process has none.
+bool ResolveWithGil(CallSite& site) {
+  if (site.resolved.load(std::memory_order_acquire)) return true;
+  KernelPtr kernel = FindLiveByFingerprint(site.fingerprint);
+  if (kernel == nullptr) return false;
+  PyObject* pin = nullptr;
+  if (kernel->instance_ref != nullptr) {
+#if PY_VERSION_HEX >= 0x030D0000
+    if (PyWeakref_GetRef(kernel->instance_ref, &pin) <= 0) {
+      PyErr_Clear();
+      return false;
+    }
+#else
+    pin = PyWeakref_GetObject(kernel->instance_ref);
+    if (pin == Py_None) return false;
+    Py_INCREF(pin);
+#endif
+  }
+  site.kernel = std::move(kernel);
+  site.pin = pin;
+  site.resolved.store(true, std::memory_order_release);
+  return true;
+}
+
+bool Resolve(CallSite& site) {
+  if (site.resolved.load(std::memory_order_acquire)) return true;
+  if (!Py_IsInitialized()) return false;
+  PyGILState_STATE gil = PyGILState_Ensure();
+  bool found = ResolveWithGil(site);
+  PyGILState_Release(gil);
+  return found;
+}
+
+std::string NotAvailable(const CallSite& site) {
+  return "jaxdecl: " + site.name + " (kernel " + Hex(site.fingerprint) +
+         ") is not available in this process. This executable was compiled, "
+         "cached or serialized where the op existed; create an equal op here "
+         "and call it once (or trace the function again) before running it";
+}
+
+// Instantiation: once per call site when XLA builds or loads an executable.
+// A kernel this process does not have yet is looked up again when the site
+// first runs (an executable deserialized before its ops were created).
+ffi::ErrorOr<std::unique_ptr<CallSite>> Instantiate(int64_t hi, int64_t lo,
+                                                    std::string_view name) {
+  auto site = std::make_unique<CallSite>();
+  ++CallSite::live_call_sites;
+  site->fingerprint = {static_cast<uint64_t>(hi), static_cast<uint64_t>(lo)};
+  site->name = std::string(name);
+  Resolve(*site);
+  return site;
+}
+
+ffi::Error Execute(CallSite* site, ffi::RemainingArgs args,
+                   ffi::RemainingRets rets) {
+  if (site == nullptr) {
+    return AsError("jaxdecl: the call site was not instantiated");
+  }
+  if (!Resolve(*site)) return AsError(NotAvailable(*site));
+  return AsError(Run(*site->kernel, args, rets, /*eager=*/false));
 }
 
 ffi::Error DispatchEager(ffi::AnyBuffer slot, ffi::RemainingArgs args,
@@ -406,7 +493,15 @@ ffi::Error DispatchEager(ffi::AnyBuffer slot, ffi::RemainingArgs args,
     return AsError("jaxdecl: no kernel is registered in slot " +
                    std::to_string(key));
   }
-  return AsError(Run(std::move(kernel), nullptr, args, rets));
+  std::string error = Run(*kernel, args, rets, /*eager=*/true);
+  if (kernel->c_function == nullptr && Py_IsInitialized()) {
+    // The last reference may be ours (released meanwhile): drop it with the
+    // GIL, which the Kernel's destructor would otherwise take on its own.
+    PyGILState_STATE gil = PyGILState_Ensure();
+    kernel.reset();
+    PyGILState_Release(gil);
+  }
+  return AsError(error);
 }
 
 }  // namespace
@@ -493,14 +588,6 @@ KernelPtr FindBySlot(int64_t slot) {
   return r.slots[slot];
 }
 
-KernelPtr FindByFingerprint(const Fingerprint& fingerprint) {
-  Registry& r = registry();
-  std::shared_lock<std::shared_mutex> lock(r.mutex);
-  auto found = r.by_fingerprint.find(fingerprint);
-  if (found == r.by_fingerprint.end() || found->second.empty()) return nullptr;
-  return r.slots[found->second.back()];
-}
-
 KernelPtr FindLiveByFingerprint(const Fingerprint& fingerprint) {
   Registry& r = registry();
   std::shared_lock<std::shared_mutex> lock(r.mutex);
@@ -584,14 +671,32 @@ std::string CallCKernel(jaxdecl_kernel function, PyObject* inputs,
 
 }  // namespace jaxdecl
 
+namespace jaxdecl {
+
+int64_t CallSiteCount() { return CallSite::live_call_sites.load(); }
+
+void* CallSiteTypeId() { return &CallSite::id; }
+
+const void* CallSiteTypeInfo() {
+  static const XLA_FFI_TypeInfo info = ffi::MakeTypeInfo<CallSite>();
+  return &info;
+}
+
+}  // namespace jaxdecl
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxdeclDispatch, jaxdecl::Dispatch,
-    ffi::Ffi::Bind()
+    JaxdeclInstantiate, jaxdecl::Instantiate,
+    ffi::Ffi::BindInstantiate()
         .Attr<int64_t>("fingerprint_hi")  // which kernel: a stable fingerprint
         .Attr<int64_t>("fingerprint_lo")
-        .Attr<std::string_view>("name")   // Class.method, for messages
-        .RemainingArgs()                  // the rule's operands, in order
-        .RemainingRets());                // the rule's results, in order
+        .Attr<std::string_view>("name"));  // Class.method, for messages
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxdeclDispatch, jaxdecl::Execute,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::State<jaxdecl::CallSite>>()  // resolved at instantiation
+        .RemainingArgs()                        // the rule's operands, in order
+        .RemainingRets());                      // the rule's results, in order
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxdeclDispatchEager, jaxdecl::DispatchEager,

@@ -18,6 +18,7 @@
 namespace py = pybind11;
 namespace ffi = xla::ffi;
 
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxdeclInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxdeclDispatch);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxdeclDispatchEager);
 
@@ -67,13 +68,23 @@ PYBIND11_MODULE(_dispatch, m) {
   if (!jaxdecl::Initialize()) throw py::error_already_set();
 
   m.def("registrations", []() {
-    py::dict targets;
-    targets["jaxdecl_dispatch"] =
-        py::capsule(reinterpret_cast<void*>(&JaxdeclDispatch));
+    py::dict targets, compiled;
+    compiled["instantiate"] =
+        py::capsule(reinterpret_cast<void*>(&JaxdeclInstantiate));
+    compiled["execute"] = py::capsule(reinterpret_cast<void*>(&JaxdeclDispatch));
+    targets["jaxdecl_dispatch"] = compiled;
     targets["jaxdecl_dispatch_eager"] =
         py::capsule(reinterpret_cast<void*>(&JaxdeclDispatchEager));
     return targets;
-  }, "FFI targets to pass to jax.ffi.register_ffi_target (platform 'cpu').");
+  }, "FFI targets to pass to jax.ffi.register_ffi_target (platform 'cpu'): a "
+        "capsule, or a dict of capsules by execution stage.");
+
+  m.def("call_site_type", []() {
+    py::dict registration;
+    registration["type_id"] = py::capsule(jaxdecl::CallSiteTypeId());
+    registration["type_info"] = py::capsule(const_cast<void*>(jaxdecl::CallSiteTypeInfo()));
+    return registration;
+  }, "The FFI state type of compiled call sites, for jax.ffi.register_ffi_type.");
 
   m.def("register_kernel", [](int64_t hi, int64_t lo, std::string name,
                               py::object call, py::object on_escape,
@@ -130,4 +141,6 @@ PYBIND11_MODULE(_dispatch, m) {
 
   m.def("element_types", &ElementTypes, "XLA element type codes by NumPy dtype name.");
   m.def("kernel_count", &jaxdecl::KernelCount, "How many kernels are registered now.");
+  m.def("call_site_count", &jaxdecl::CallSiteCount,
+        "How many call sites of live compiled executables hold a kernel.");
 }

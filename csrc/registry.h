@@ -1,12 +1,14 @@
 // Shared between the FFI handler (handler.cc) and the Python module
 // (module.cc): the kernel registry and the dtype table.
 //
-// A kernel is registered by Python for as long as something needs it (an op
-// that may be called, a compiled executable that holds it as a keep-alive)
-// and released when that owner goes; XLA finds it either by its fingerprint
-// (what compiled HLO carries: stable across processes, never an address or a
-// process-local counter) or by its slot (what the eager path passes at run
-// time, so that one compiled executable serves every op of one signature).
+// A kernel is registered by Python for as long as an op of its configuration
+// (or a Python executable that lowered it) lives, and released when that owner
+// goes.  XLA finds it either by its fingerprint (what compiled HLO carries:
+// stable across processes, never an address or a process-local counter),
+// once per call site when an executable is instantiated, or by its slot (what
+// the eager path passes at run time, so that one compiled executable serves
+// every op of one signature).  Kernels are shared pointers: an instantiated
+// call site keeps its kernel after the registration is released.
 
 #ifndef JAXDECL_CSRC_REGISTRY_H_
 #define JAXDECL_CSRC_REGISTRY_H_
@@ -62,13 +64,21 @@ bool ReleaseKernel(int64_t slot);
 
 // Safe without the GIL; nullptr when nothing is registered there.
 KernelPtr FindBySlot(int64_t slot);
-KernelPtr FindByFingerprint(const Fingerprint& fingerprint);
 
 // The most recent registration under `fingerprint` whose op is alive.  GIL held.
 KernelPtr FindLiveByFingerprint(const Fingerprint& fingerprint);
 
 // How many registrations are live.
 int64_t KernelCount();
+
+// How many compiled call sites (instantiated `jaxdecl_dispatch` calls of live
+// executables) exist; each holds its kernel and op until XLA drops it.
+int64_t CallSiteCount();
+
+// The FFI type of the call-site state (its TypeId, filled in when the type
+// is registered with XLA, and its XLA_FFI_TypeInfo), for jax.ffi.
+void* CallSiteTypeId();
+const void* CallSiteTypeInfo();
 
 // NumPy dtype for an XLA element type code (a new reference), or nullptr.
 void SetDescr(int code, PyObject* descr);

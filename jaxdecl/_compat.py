@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 from jax._src import core as _core
+from jax._src.lib.mlir import ir
 from jax.interpreters import ad, batching, mlir
 
 try:  # jax >= 0.4.36
@@ -28,10 +29,11 @@ get_aval = jax.typeof
 
 __all__ = [
     "Primitive", "Zero", "UndefinedPrimal", "is_undefined_primal", "instantiate_zeros",
-    "not_mapped", "Tracer", "JaxRuntimeError", "ad", "batching", "mlir",
+    "not_mapped", "Tracer", "JaxRuntimeError", "ad", "batching", "mlir", "ir", "shard_map",
+    "has_explicit_axes",
     "forbid_host_transfers", "restore_host_transfers", "float0_zero", "not_tracing",
     "hold_weakly_in_caches",
-    "get_aval", "hide_frames",
+    "get_aval", "hide_frames", "register_ffi_state_type",
     "ShardingTypeError", "ShardingContext", "NamedSharding", "P", "psum", "custom_partitioning",
     "sdy", "requires_devices_when_lowering", "vma_of", "insert_reshards", "sharded_aval",
 ]
@@ -45,6 +47,23 @@ NamedSharding = jax.sharding.NamedSharding
 P = jax.sharding.PartitionSpec
 psum = jax.lax.psum
 ShardingTypeError = _core.ShardingTypeError
+
+
+def shard_map(function, mesh, in_specs, out_specs):
+    """``jax.shard_map`` without replication checks (the body binds opaque primitives)."""
+    mapped = getattr(jax, "shard_map", None)
+    if mapped is not None:
+        return mapped(function, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                      check_vma=False)
+    from jax.experimental.shard_map import shard_map as legacy  # pragma: no cover
+
+    return legacy(function, mesh, in_specs, out_specs, check_rep=False)  # pragma: no cover
+
+
+def has_explicit_axes(mesh) -> bool:
+    """True when some axis of `mesh` is of type Explicit (sharding in the types)."""
+    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+    return explicit is not None and explicit in tuple(getattr(mesh, "axis_types", ()))
 
 
 def requires_devices_when_lowering(primitive) -> None:
@@ -133,3 +152,16 @@ def hide_frames(path: str) -> None:
         traceback_util.register_exclusion(path)
     except (ImportError, AttributeError):  # pragma: no cover - older/newer jax
         pass
+
+
+def register_ffi_state_type(name: str, registration: dict) -> None:
+    """Registers an FFI state type (``{"type_id": capsule, "type_info": capsule}``) on CPU.
+
+    Newer jaxlibs take the type's deleter with it (``register_ffi_type``);
+    older ones only its id (``register_ffi_type_id``).
+    """
+    register = getattr(jax.ffi, "register_ffi_type", None)
+    if register is not None:
+        register(name, registration, platform="cpu")
+    else:  # pragma: no cover - older jax
+        jax.ffi.register_ffi_type_id(name, registration["type_id"], platform="cpu")

@@ -4,7 +4,11 @@ from collections.abc import Callable
 from typing import Any
 
 def registrations() -> dict[str, Any]:
-    """FFI targets (PyCapsules) to pass to jax.ffi.register_ffi_target on 'cpu'."""
+    """FFI targets to pass to jax.ffi.register_ffi_target on 'cpu': a PyCapsule, or a dict
+    of PyCapsules by execution stage ('instantiate', 'execute')."""
+
+def call_site_type() -> dict[str, Any]:
+    """The FFI state type of compiled call sites ({'type_id': ..., 'type_info': ...})."""
 
 def register_kernel(fingerprint_hi: int, fingerprint_lo: int, name: str,
                     call: Callable[[tuple, tuple, bool], str | None],
@@ -36,3 +40,6 @@ def element_types() -> dict[str, int]:
 
 def kernel_count() -> int:
     """How many kernels are registered now."""
+
+def call_site_count() -> int:
+    """How many call sites of live compiled executables hold a kernel."""

@@ -81,19 +81,42 @@ def _nested(call, operands):
             depth += 1
 
 
+@functools.lru_cache(maxsize=256)
+def sharded_executable(mesh, in_specs: tuple, out_specs: tuple, summed: tuple,
+                       out_avals: tuple):
+    """The jitted caller that runs a kernel on every device's block of sharded operands.
+
+    Like :func:`executable` it names no kernel (the slot is an operand,
+    replicated), so every op whose per-shard signature, mesh and plan agree
+    shares it. `out_avals` are the per-device results; ``summed[i]`` lists the
+    mesh axes over which result `i`'s partial results are added.
+    """
+    P = _compat.P
+
+    def local(slot, *blocks):
+        outs = eager_p.bind(slot, *blocks, out_avals=out_avals)
+        return [_compat.psum(o, axes) if axes else o for o, axes in zip(outs, summed)]
+
+    return jax.jit(_compat.shard_map(
+        local, mesh, in_specs=(P(),) + tuple(P(*s) for s in in_specs),
+        out_specs=[P(*s) for s in out_specs]))
+
+
 class Call:
     """One kernel ready to run eagerly: its slot operand, result signature and caller."""
 
-    __slots__ = ("kernel", "slot", "out_avals", "single", "rebuild", "caller")
+    __slots__ = ("kernel", "slot", "out_avals", "single", "rebuild", "caller", "nests")
 
     def __init__(self, kernel: _runtime.Kernel, out_avals: tuple, single: bool,
-                 rebuild=None):
+                 rebuild=None, caller=None):
         self.kernel = kernel
         self.slot = kernel.slot_operand()
         self.out_avals = out_avals
         self.single = single  # return the one result bare, not in a list
         self.rebuild = rebuild  # or: the results' pytree from the flat tuple of them
-        self.caller = executable(out_avals)
+        # A per-shard caller has no copies for nested calls (see _nested).
+        self.nests = caller is None
+        self.caller = executable(out_avals) if caller is None else caller
 
 
 def run(call: Call, operands):
@@ -107,7 +130,7 @@ def run(call: Call, operands):
         try:
             results = call.caller(call.slot, *operands)
         except RecursionError as error:  # a rule calling an op of its own signature
-            if "Recursively calling" not in str(error):
+            if "Recursively calling" not in str(error) or not call.nests:
                 raise
             results = _nested(call, operands)
         if call.single:

@@ -10,9 +10,11 @@ Lifetimes (memory is bounded by what is alive):
 
 - a handle lives while an instance with its configuration lives (a
   ``weakref.finalize`` anchor per instance), or a trace refers to it;
-- kernels refer to their op instance weakly; an executable that runs a
-  kernel holds the kernel and that instance (a lowering keep-alive) for as
-  long as the executable lives;
+- kernels refer to their op instance weakly; a compiled executable that runs
+  a kernel holds it and that instance until its last run has finished (see
+  :mod:`jaxdecl._runtime` for the whole ownership graph);
+- eager calls, sharded or not, run through executables shared by every op of
+  a signature: nothing compiles per configuration;
 - nothing global holds an instance.
 
 Example:
@@ -41,11 +43,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat, _dtypes, _eager, _fingerprint, _layout, _runtime, _sharding, _structure
+from . import (
+    _compat,
+    _dtypes,
+    _eager,
+    _fingerprint,
+    _layout,
+    _partition,
+    _runtime,
+    _sharding,
+    _structure,
+)
 from ._cfunction import CFunction
 from ._errors import missing_rule
 from ._layout import FORWARD, TRANSPOSE, TRANSPOSE_WRT
-from ._primitive import bind_rule
+from ._primitive import bind_rule, refusal
 
 _lock = threading.RLock()
 _live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # config key -> handle
@@ -69,6 +81,7 @@ class OpHandle:
         self._shardings: dict = {}  # primals -> _sharding.Resolved or None
         self.declares_sharding = spec.sharding is not None or "sharding" in spec.rules
         self.eager_calls: dict = {}  # primals -> _eager.Call
+        self.sharded_calls: dict = {}  # (primals, mesh, operand specs) -> _eager.Call
 
     def __repr__(self) -> str:
         return self.spec.name
@@ -182,6 +195,69 @@ class OpHandle:
                 call = _eager.Call(kernel, layout.outputs, layout.single_output)
             self.eager_calls[primals] = call
         return call, operands, pin
+
+
+    def sharded_eager_call(self, instance, operands: list, primals: tuple):
+        """The forward ready to run eagerly on operands sharded over one mesh, or None.
+
+        Each device runs the kernel on its blocks (the declaration's plan for
+        the operands' shardings), through an executable shared by every op of
+        the same per-shard signature: nothing compiles per configuration, and
+        a rule's exception reaches the caller as itself. None when the
+        operands' shardings name no common mesh (jit then decides).
+        """
+        mesh, specs = _common_mesh(operands)
+        if mesh is None:
+            return None
+        key = (primals, mesh, specs)
+        call = self.sharded_calls.get(key)
+        pin = call.kernel.pin() if call is not None else None
+        if pin is not None:
+            return call, pin
+        op = BoundOp(self, instance)
+        layout = self.layout(primals, instance)
+        in_shapes = tuple(tuple(x.shape) for x in operands)
+        factors = _sharding.rule_factors(self.sharding(primals, instance), layout, FORWARD, -1,
+                                         (), in_shapes)
+        axis_sizes = dict(mesh.shape)
+        io = op.rule_io(primals, FORWARD, -1)
+        p = _partition.plan(factors, specs, axis_sizes, strict=_compat.has_explicit_axes(mesh),
+                            describe=lambda *where: refusal(op, io, FORWARD, *where))
+        local_primals, _, local_in = _partition.shard_equation(
+            op, FORWARD, -1, primals, (), factors, p, axis_sizes, in_shapes,
+            [shape for shape, _ in layout.outputs])
+        kernel, pin = self.kernel(instance, FORWARD, -1, local_primals, (), local_in)
+        local_outputs = tuple(self.layout(local_primals, instance).outputs)
+        caller = _eager.sharded_executable(mesh, p.operand_specs, p.result_specs, p.summed,
+                                           local_outputs)
+        if layout.structured:
+            call = _eager.Call(kernel, local_outputs, False, caller=caller,
+                               rebuild=lambda outs, groups=layout.out_groups,
+                               single=layout.single_output: rebuild(groups, single, outs))
+        else:
+            call = _eager.Call(kernel, local_outputs, layout.single_output, caller=caller)
+        self.sharded_calls[key] = call
+        return call, pin
+
+
+def _common_mesh(operands) -> tuple:
+    """``(mesh, specs)``: the one mesh the operands are sharded over, and their specs.
+
+    Operands without a NamedSharding (NumPy values, scalars) count as whole.
+    ``(None, None)`` when no operand has a mesh or two have different meshes.
+    """
+    mesh, specs = None, []
+    for x in operands:
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, _compat.NamedSharding):
+            if mesh is not None and sharding.mesh != mesh:
+                return None, None
+            mesh = sharding.mesh
+            spec = tuple(sharding.spec)
+            specs.append(spec + (None,) * (x.ndim - len(spec)))
+        else:
+            specs.append((None,) * x.ndim)
+    return mesh, tuple(specs)
 
 
 class BoundOp:
@@ -473,15 +549,21 @@ def bind_forward(op: BoundOp, args) -> object:
 
 
 def _spans_devices(args) -> bool:
-    return any(getattr(getattr(a, "sharding", None), "num_devices", 1) > 1 for a in args)
+    return any(getattr(getattr(a, "sharding", None), "num_devices", 1) > 1
+               for a in jax.tree_util.tree_leaves(args))
 
 
-def _forward_of(op, *args):
-    return bind_forward(op, args)
-
-
-# One jitted caller for every op: the op is a static argument, keyed by its handle.
-_sharded_forward = jax.jit(_forward_of, static_argnums=0)
+def _sharded_eager(handle: OpHandle, instance, args):
+    """Runs a declared op now, per shard, on arguments that span several devices."""
+    operands, primals = flatten_inputs(handle.spec, args)
+    found = handle.sharded_eager_call(instance, operands, primals)
+    if found is None:
+        # Operands on different meshes: jit places them (or raises JAX's own error).
+        return jax.jit(lambda *a: bind_forward(BoundOp(handle, instance), a))(*args)
+    call, pin = found
+    result = _eager.run(call, operands)
+    del pin  # held until here: the kernel's op stays alive for the call
+    return result
 
 
 def _arguments(spec, args: tuple, kwargs: dict) -> tuple:
@@ -521,8 +603,8 @@ def apply_op(instance, args: tuple, kwargs: dict):
     if not _compat.not_tracing():
         return bind_forward(BoundOp(handle, instance), args)
     if handle.declares_sharding and _spans_devices(args):
-        # The shared single-device executable would gather; jit splits per shard.
-        return _sharded_forward(BoundOp(handle, instance), *args)
+        # The shared single-device executable would gather; this runs per shard.
+        return _sharded_eager(handle, instance, args)
     try:
         call = handle.eager_calls[tuple([(a.shape, a.dtype) for a in args])]
         pin = call.kernel.pin()  # held until the call returns: the kernel's op stays alive

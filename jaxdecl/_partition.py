@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import secrets
 
 from . import _compat, _layout, _runtime
 from ._errors import RuleError
@@ -157,6 +158,7 @@ def lower(ctx, args, *, op, rule, wrt, primals, batch, factors, bind):
     spec = op.spec
     held = _Held()
     ctx.module_context.add_keepalive(held)
+    _mark_unique(ctx.module_context.module)
     operand_shapes = [tuple(a.shape) for a in ctx.avals_in]
     result_avals = list(ctx.avals_out)
     what = f"{spec.name} ({rule})"
@@ -166,21 +168,9 @@ def lower(ctx, args, *, op, rule, wrt, primals, batch, factors, bind):
             axis_sizes = dict(mesh.shape)
             specs = [_spec_of(s) for s in arg_shapes]
             p = plan(factors, specs, axis_sizes)
-            local_primals, local_batch = local_params(factors, p, axis_sizes, primals, batch)
-            local_in = tuple(
-                tuple(p.local_size(f, n, axis_sizes) for f, n in zip(names, shape))
-                for names, shape in zip(factors.operands, operand_shapes))
-            expected = [tuple(p.local_size(f, n, axis_sizes) for f, n in zip(names, a.shape))
-                        for names, a in zip(factors.results, result_avals)]
-            io = op.rule_io(local_primals, rule, wrt)
-            got = [tuple(local_batch) + tuple(s) for s, _ in io.out_avals]
-            for j, (g, e) in enumerate(zip(got, expected)):
-                if g != e:
-                    raise RuleError(
-                        f"{what}: on a shard, @abstract gives {io.out_names[j]} the shape {g}, "
-                        f"but the sharding declaration implies {e} (local inputs "
-                        f"{[s for s, _ in local_primals]}); the declaration does not match "
-                        f"the op's shapes")
+            local_primals, local_batch, local_in = shard_equation(
+                op, rule, wrt, primals, batch, factors, p, axis_sizes, operand_shapes,
+                [tuple(a.shape) for a in result_avals])
             # Built now so that the executable holds it (the per-shard lowering's own
             # keep-alives are dropped with its temporary module).
             held.keep.append(_prebuilt(op, rule, wrt, local_primals, local_batch,
@@ -209,6 +199,50 @@ def lower(ctx, args, *, op, rule, wrt, primals, batch, factors, bind):
     wrapped.def_partition(partition=per_shard, sharding_rule=sdy_rule(factors))
     return _compat.mlir.lower_fun(lambda *a: list(wrapped(*a)), multiple_results=True)(
         ctx, *args)
+
+
+_lowerings = itertools.count()
+_PROCESS = secrets.token_hex(8)
+
+
+def _mark_unique(module) -> None:
+    """Makes the program's persistent-cache key unique to this lowering.
+
+    Per-shard kernels are built by the partition callback, which XLA runs only
+    when it compiles. A program loaded from the persistent cache instead (its
+    HLO can repeat exactly: ``custom_partitioning`` names its callback by an
+    ``id()`` that Python reuses, or JAX drops it from the key) would call
+    kernels this process never built. So these programs never share a cache
+    entry: each compiles and registers its kernels.
+    """
+    with module.context:
+        module.operation.attributes["jaxdecl.lowering"] = _compat.ir.StringAttr.get(
+            f"{_PROCESS}-{next(_lowerings)}")
+
+
+def shard_equation(op, rule, wrt, primals, batch, factors, p: Plan, axis_sizes: dict,
+                   operand_shapes, result_shapes) -> tuple:
+    """``(primals, batch, operand shapes)`` of the equation each device runs under plan `p`.
+
+    Raises RuleError when ``@abstract`` on the local shapes disagrees with the
+    shapes the declaration implies (the declaration does not fit the op).
+    """
+    local_primals, local_batch = local_params(factors, p, axis_sizes, primals, batch)
+    local_in = tuple(
+        tuple(p.local_size(f, n, axis_sizes) for f, n in zip(names, shape))
+        for names, shape in zip(factors.operands, operand_shapes))
+    expected = [tuple(p.local_size(f, n, axis_sizes) for f, n in zip(names, shape))
+                for names, shape in zip(factors.results, result_shapes)]
+    io = op.rule_io(local_primals, rule, wrt)
+    got = [tuple(local_batch) + tuple(s) for s, _ in io.out_avals]
+    for j, (g, e) in enumerate(zip(got, expected)):
+        if g != e:
+            raise RuleError(
+                f"{op.spec.name} ({rule}): on a shard, @abstract gives {io.out_names[j]} the "
+                f"shape {g}, but the sharding declaration implies {e} (local inputs "
+                f"{[s for s, _ in _layout.primal_leaves(local_primals)]}); the declaration "
+                f"does not match the op's shapes")
+    return local_primals, local_batch, local_in
 
 
 def _spec_of(struct) -> tuple:

@@ -106,7 +106,7 @@ def _abstract_eval(*avals, op, rule, wrt, primals, batch):
     factors = _sharding.rule_factors(resolved, op.layout(primals), rule, wrt, batch,
                                      tuple(tuple(a.shape) for a in avals))
     plan = _partition.plan(factors, specs, dict(mesh.shape), strict=True,
-                           describe=lambda *where: _refusal(op, io, rule, *where))
+                           describe=lambda *where: refusal(op, io, rule, *where))
     return [_compat.sharded_aval(shape, dtype, mesh, spec)
             for (shape, dtype), spec in zip(shapes, plan.result_specs)]
 
@@ -128,7 +128,8 @@ _WHY = {
 }
 
 
-def _refusal(op, io, rule, operand, dim, factor, why, axes) -> str:
+def refusal(op, io, rule, operand, dim, factor, why, axes) -> str:
+    """The ShardingTypeError message for an input the op cannot take as sharded."""
     name = io.in_names[operand]
     factor = "a vmap dim" if factor.startswith("#") else f"factor {factor!r}"
     where = "" if rule == "forward" else f" (in its {rule} rule)"
@@ -153,8 +154,9 @@ def _lowering(ctx, *args, op, rule, wrt, primals, batch):
             return _partition.lower(ctx, args, op=op, rule=rule, wrt=wrt, primals=primals,
                                     batch=batch, factors=factors, bind=bind_rule)
     kernel, pin = op.kernel(rule, wrt, primals, batch, in_shapes)
-    # The executable keeps the kernel, and the op instance it calls, for as
-    # long as it lives; the HLO names the kernel by fingerprint alone.
+    # The HLO names the kernel by fingerprint alone. The Python executable
+    # keeps the kernel registered until XLA has instantiated the program,
+    # whose call site then holds the kernel and its op (see _runtime).
     ctx.module_context.add_keepalive(_runtime.KeepAlive(kernel, pin))
     hi, lo = kernel.fingerprint
     return _ffi_lowering(ctx, *args, fingerprint_hi=np.int64(hi), fingerprint_lo=np.int64(lo),

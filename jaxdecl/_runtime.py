@@ -3,15 +3,35 @@
 A host kernel receives ``(inputs, outputs, eager)``: two tuples of NumPy
 views of XLA's buffers, and whether an eager caller waits for this call (and
 can take the rule's exception back). It calls one user rule and returns None,
-or an error message that the dispatcher hands back to XLA. Kernels are built once per compiled shape
-and registered as a :class:`Kernel`, which owns the dispatcher's registration
-and releases it when dropped: the op's handle holds its kernels while the op
-lives, and every executable that runs one holds it (a lowering keep-alive) for
-as long as the executable lives.
+or an error message that the dispatcher hands back to XLA. Kernels are built
+once per compiled shape and registered as a :class:`Kernel`.
 
-A kernel refers to its op instance weakly: the strong references go with
-whoever needs the kernel to run (an executable, an eager call), so that an
-op the user dropped is freed once nothing compiled refers to it.
+Who owns what (an arrow is a strong reference; ``~>`` a weak one)::
+
+    op instance --anchor--> OpHandle --> Kernel (Python) --slot--> Kernel (C++)
+    Kernel (C++) --> the kernel function --> rule ~> op instance
+    Python executable --keep-alive--> Kernel (Python), op instance
+    XLA executable --> CallSite (C++) --> Kernel (C++), op instance
+    eager call (blocks until done) --> op instance, Kernel (Python)
+
+- A registration (slot) lives while its Python :class:`Kernel` does: while an
+  op of its configuration lives (the handle's cache) or a Python executable
+  that lowered it does (a lowering keep-alive).
+- A compiled program resolves each of its kernels once, when XLA instantiates
+  the executable (after compiling or loading it), into a ``CallSite`` that XLA
+  owns: it holds the C++ kernel and the op instance the kernel calls, and XLA
+  destroys it with the executable, after the executable's last run. So a
+  program that is queued or running always has its kernels, even when every
+  Python object that built it is gone (a temporary ``jax.jit`` returns before
+  XLA runs it), and nothing is looked up per call.
+- The eager executables name no kernel (the slot is an operand): the caller
+  pins the op and waits for the call.
+- Kernels refer to their op weakly, so an op is freed once no handle cache,
+  executable or eager call needs it: memory is bounded by what is alive.
+- Split programs (``custom_partitioning``) build their per-shard kernels in
+  the partition callback, which only a compilation runs; their cache keys are
+  unique to one lowering (see :mod:`jaxdecl._partition`), so a program loaded
+  from the persistent cache never calls kernels this process did not build.
 
 The per-call path is deliberately plain: a zero-copy rule is one Python call
 inside a ``try``; the return form adds one shape/dtype comparison and one copy
@@ -40,16 +60,28 @@ _DISPATCHER_READY = False
 
 
 def _setup_dispatcher() -> None:
-    """Teaches the dispatcher NumPy's dtypes and registers the FFI target, once."""
+    """Teaches the dispatcher NumPy's dtypes and registers the FFI targets, once.
+
+    Run before anything can compile or load a program that calls jaxdecl: when
+    the first kernel is registered, and when a serialized executable's
+    keep-alives are unpickled (a process that loads a program before it
+    creates its ops reaches jaxdecl's handler, whose error names the op).
+    """
     global _DISPATCHER_READY
     if _DISPATCHER_READY:
         return
+    # XLA takes FFI types only before the handlers that use them, and a CPU
+    # client registers queued handlers before queued types: start the client
+    # first, so that both are registered now, in order.
+    jax.devices("cpu")
     for name, code in _dispatch.element_types().items():
         _dispatch.set_dtype(code, _dtypes.numpy_dtype(name))
     _dispatch.set_worker_hooks(_compat.forbid_host_transfers, _compat.restore_host_transfers)
     _dispatch.set_collect(_release_stale_references)
-    for target, capsule in _dispatch.registrations().items():
-        jax.ffi.register_ffi_target(target, capsule, platform="cpu")
+    # The state type first: the compiled target's instantiate stage creates it.
+    _compat.register_ffi_state_type("jaxdecl_call_site", _dispatch.call_site_type())
+    for target, handler in _dispatch.registrations().items():
+        jax.ffi.register_ffi_target(target, handler, platform="cpu")
     _DISPATCHER_READY = True
 
 
@@ -408,47 +440,63 @@ def _detach_views(exc: BaseException, views: tuple) -> None:
     A rule that raises ``NotConverged(residual=out)`` hands the caller an
     exception that outlives XLA's buffers; a copy is what the caller can use.
     Arguments, attributes, and lists/tuples/dicts among them are searched.
-    """
-    roots = {id(v) for v in views}
 
-    def on_buffer(value) -> bool:
+    Written without closures and with no reference to `views` left behind: the
+    escape check that follows counts references to the views, and a reference
+    cycle here (a recursive inner function holds its own cell) would keep them
+    until a garbage collection that another thread may be running.
+    """
+    detacher = _Detacher(views)
+    try:
+        for current in _errors.chain_of(exc):
+            try:
+                current.args = tuple(detacher.detach(a, 0) for a in current.args)
+                for name, value in list(vars(current).items()):
+                    detached = detacher.detach(value, 0)
+                    if detached is not value:
+                        setattr(current, name, detached)
+            except Exception:  # noqa: BLE001, S110 - an exotic exception keeps its state;
+                pass           # the escape check still catches what remains
+    finally:
+        detacher.views = detacher.copies = None
+
+
+class _Detacher:
+    """Copies arrays that share memory with `views`, each once (see _detach_views)."""
+
+    __slots__ = ("views", "roots", "copies")
+
+    def __init__(self, views: tuple):
+        self.views = views
+        self.roots = {id(v) for v in views}
+        self.copies: dict = {}  # id -> copy: one per array, however many places carry it
+
+    def _on_buffer(self, value) -> bool:
         base = value
         while isinstance(base, np.ndarray):
-            if id(base) in roots:
+            if id(base) in self.roots:
                 return True
             base = base.base
-        return any(np.may_share_memory(value, v) for v in views)
+        return any(np.may_share_memory(value, v) for v in self.views)
 
-    copies: dict = {}  # one copy per array, however many places carry it
-
-    def detach(value, depth=0):
+    def detach(self, value, depth: int):
         if isinstance(value, np.ndarray):
-            if id(value) not in copies:
-                copies[id(value)] = np.array(value) if on_buffer(value) else value
-            return copies[id(value)]
+            if id(value) not in self.copies:
+                self.copies[id(value)] = np.array(value) if self._on_buffer(value) else value
+            return self.copies[id(value)]
         if depth > 4:
             return value
         if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-            detached = [detach(v, depth + 1) for v in value]
+            detached = [self.detach(v, depth + 1) for v in value]
             if any(a is not b for a, b in zip(detached, value)):
                 return type(value)(detached)
             return value
         if type(value) is dict:
-            detached = {k: detach(v, depth + 1) for k, v in value.items()}
+            detached = {k: self.detach(v, depth + 1) for k, v in value.items()}
             if any(detached[k] is not value[k] for k in value):
                 return detached
             return value
         return value
-
-    for current in _errors.chain_of(exc):
-        try:
-            current.args = tuple(detach(a) for a in current.args)
-            for name, value in list(vars(current).items()):
-                detached = detach(value)
-                if detached is not value:
-                    setattr(current, name, detached)
-        except Exception:  # noqa: BLE001, S110 - an exotic exception keeps its state;
-            pass           # the escape check still catches what remains
 
 
 class Kernel:
@@ -514,7 +562,13 @@ class KeepAlive:
         self.pin = pin
 
     def __reduce__(self):
-        return (KeepAlive, (None, None))
+        return (_unpickled_keepalive, ())
+
+
+def _unpickled_keepalive() -> KeepAlive:
+    """A loaded executable's keep-alive: readies the dispatcher before XLA loads it."""
+    _setup_dispatcher()
+    return KeepAlive(None, None)
 
 
 def register(fingerprint: tuple, name: str, kernel, on_escape, instance_ref) -> Kernel:
@@ -531,3 +585,4 @@ def register_c(fingerprint: tuple, name: str, function: CFunction) -> Kernel:
     hi, lo = fingerprint
     slot = _dispatch.register_c_kernel(hi, lo, name, function.address, function.keepalive)
     return Kernel(slot, fingerprint, name, None)
+
