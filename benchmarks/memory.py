@@ -8,6 +8,13 @@ script warms up (JAX's caches, the shared eager executable), then runs
 the ops still alive and the kernels still registered, as JSON.
 
     python benchmarks/memory.py --eager 20000 --jit 1000
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 \
+        python benchmarks/memory.py --eager 20000 --jit 1000 --sharded
+
+With ``--sharded`` the input is split over every device and the op declares
+``sharding="n -> n"``: each call runs per shard (eager calls through the
+shared per-shard executables, jitted ones through a split program).
+Also reported: ``call_sites``, the compiled call sites still holding a kernel.
 
 (`tests/test_lifetime.py` runs it with smaller counts.)
 """
@@ -50,17 +57,29 @@ class Table(jd.Primitive):
         np.add(x, self.table[: x.size].reshape(x.shape), out=out)
 
 
-def churn(eager: int, jitted: int, table_size: int = 1000) -> dict:
+class ShardedTable(Table, sharding="n -> n"):
+    """Table declared independent along its dim: it runs on each device's block."""
+
+
+def churn(eager: int, jitted: int, table_size: int = 1000, sharded: bool = False) -> dict:
     """Runs the create-call-drop cycles; returns what is left behind."""
     x = jnp.arange(4.0)
+    kind = Table
+    if sharded:
+        mesh = jax.make_mesh((len(jax.devices()),), ("d",),
+                             axis_types=(jax.sharding.AxisType.Auto,))
+        x = jax.device_put(jnp.arange(4.0 * len(jax.devices())),
+                           jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
+        kind = ShardedTable
+    expected = np.asarray(x)
     wrong = 0
 
     def cycle(i, jit):
         nonlocal wrong
-        op = Table(np.full(table_size, float(i)))
+        op = kind(np.full(table_size, float(i)))
         result = (jax.jit(lambda v: op(v)) if jit else op)(x)
         # A reused id or registry slot must never run another op's table.
-        if not np.array_equal(np.asarray(result), np.arange(4.0) + i):
+        if not np.array_equal(np.asarray(result), expected + i):
             wrong += 1
         return weakref.ref(op)
 
@@ -68,7 +87,8 @@ def churn(eager: int, jitted: int, table_size: int = 1000) -> dict:
         cycle(i, False)
         cycle(i, True)
     gc.collect()
-    kernels, rss, start = _dispatch.kernel_count(), rss_mb(), time.perf_counter()
+    kernels, sites = _dispatch.kernel_count(), _dispatch.call_site_count()
+    rss, start = rss_mb(), time.perf_counter()
     refs = [cycle(i, False) for i in range(eager)]
     refs += [cycle(i, True) for i in range(jitted)]
     gc.collect()
@@ -78,6 +98,7 @@ def churn(eager: int, jitted: int, table_size: int = 1000) -> dict:
         "rss_growth_mb": round(rss_mb() - rss, 1),
         "ops_alive": sum(ref() is not None for ref in refs),
         "kernels_left": _dispatch.kernel_count() - kernels,
+        "call_sites_left": _dispatch.call_site_count() - sites,
         "wrong_results": wrong,
         "seconds": round(time.perf_counter() - start, 1),
     }
@@ -87,8 +108,10 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--eager", type=int, default=20000, help="ops called eagerly")
     parser.add_argument("--jit", type=int, default=1000, help="ops called through jax.jit")
+    parser.add_argument("--sharded", action="store_true",
+                        help="split the input over every device (set XLA_FLAGS first)")
     args = parser.parse_args(argv)
-    report = churn(args.eager, args.jit)
+    report = churn(args.eager, args.jit, sharded=args.sharded)
     print(json.dumps(report))
     return report
 

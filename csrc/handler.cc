@@ -263,14 +263,148 @@ std::string CheckEscapes(const Kernel& kernel, PyObject* inputs,
 
 // `eager`: an eager caller waits for this call and can take the rule's
 // exception back (a compiled executable's caller cannot).
+// The views one compiled call site handed to its rule last time, kept for the
+// next run: XLA's buffers move between runs but keep their shapes and types,
+// so pointing the same arrays at the new buffers replaces allocating two
+// tuples and their arrays per call.  A view is reused only when nothing else
+// holds it (the escape check proved that) and it is exactly as it was made:
+// a rule may reshape a view in place (`x.shape = ...`) or change its flags.
+// Touched with the GIL held; `busy` while a run uses them (a rule that
+// releases the GIL can let another device run the same site meanwhile).
+struct ViewCache {
+  PyObject* inputs = nullptr;   // tuples owned by the cache
+  PyObject* outputs = nullptr;
+  bool busy = false;
+
+  void Clear() {
+    Py_CLEAR(inputs);
+    Py_CLEAR(outputs);
+  }
+};
+
+// Points every view of `tuple` at the matching buffer; false (nothing
+// changed that matters) if any view is no longer as WrapBuffer made it.
+template <typename Buffers>
+bool Repoint(PyObject* tuple, const Buffers& buffers, bool writable) {
+  size_t count = buffers.size();
+  if (static_cast<size_t>(PyTuple_GET_SIZE(tuple)) != count) return false;
+  int flags = writable ? NPY_ARRAY_CARRAY : NPY_ARRAY_CARRAY_RO;
+  for (size_t i = 0; i < count; ++i) {
+    auto buffer = BufferAt(buffers, i);
+    auto* view = reinterpret_cast<PyArrayObject*>(
+        PyTuple_GET_ITEM(tuple, static_cast<Py_ssize_t>(i)));
+    if (!buffer.has_value() || Py_REFCNT(view) != 1 ||
+        PyArray_DESCR(view) !=
+            g_descrs[static_cast<uint8_t>(buffer->element_type())] ||
+        (PyArray_FLAGS(view) & (NPY_ARRAY_CARRAY | NPY_ARRAY_OWNDATA)) != flags ||
+        PyArray_BASE(view) != nullptr) {
+      return false;
+    }
+    auto dims = buffer->dimensions();
+    if (static_cast<size_t>(PyArray_NDIM(view)) != dims.size()) return false;
+    npy_intp stride = PyArray_ITEMSIZE(view);
+    for (size_t d = dims.size(); d-- > 0;) {
+      if (PyArray_DIM(view, d) != dims[d] || PyArray_STRIDE(view, d) != stride) {
+        return false;
+      }
+      stride *= dims[d];
+    }
+  }
+  for (size_t i = 0; i < count; ++i) {
+    auto* fields = reinterpret_cast<PyArrayObject_fields*>(
+        PyTuple_GET_ITEM(tuple, static_cast<Py_ssize_t>(i)));
+    fields->data = static_cast<char*>(BufferAt(buffers, i)->untyped_data());
+  }
+  return true;
+}
+
+PyObject* CallKernel(const Kernel& kernel, PyObject* inputs, PyObject* outputs,
+                     bool eager) {
+  PyObject* args[] = {inputs, outputs, eager ? Py_True : Py_False};
+  return PyObject_Vectorcall(kernel.call, args, 3, nullptr);
+}
+
+// Calls kernel.direct([instance,] *inputs, out=outputs[0]); returns None, or
+// the message on_failure made of what went wrong (null: on_failure failed).
+PyObject* CallDirect(const Kernel& kernel, PyObject* inputs, PyObject* outputs,
+                     bool eager) {
+  static PyObject* out_name = Py_BuildValue("(s)", "out");  // never freed
+  constexpr Py_ssize_t kMaxStack = 16;
+  Py_ssize_t n_in = PyTuple_GET_SIZE(inputs);
+  if (n_in + 2 > kMaxStack || PyTuple_GET_SIZE(outputs) != 1) {
+    return CallKernel(kernel, inputs, outputs, eager);
+  }
+  PyObject* argv[kMaxStack];
+  Py_ssize_t nargs = 0;
+  PyObject* instance = nullptr;  // a new reference, or null
+  if (kernel.instance_ref != nullptr) {
+#if PY_VERSION_HEX >= 0x030D0000
+    if (PyWeakref_GetRef(kernel.instance_ref, &instance) <= 0) PyErr_Clear();
+#else
+    instance = PyWeakref_GetObject(kernel.instance_ref);
+    if (instance == Py_None) instance = nullptr;
+    Py_XINCREF(instance);
+#endif
+    if (instance == nullptr) return CallKernel(kernel, inputs, outputs, eager);
+    argv[nargs++] = instance;
+  }
+  for (Py_ssize_t i = 0; i < n_in; ++i) argv[nargs++] = PyTuple_GET_ITEM(inputs, i);
+  argv[nargs] = PyTuple_GET_ITEM(outputs, 0);
+  PyObject* result = PyObject_Vectorcall(kernel.direct, argv, nargs, out_name);
+  Py_XDECREF(instance);
+  if (result == Py_None) return result;
+  PyObject* exc = Py_NewRef(Py_None);
+  PyObject* returned = Py_NewRef(Py_None);
+  if (result == nullptr) {
+    Py_DECREF(exc);
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    if (value != nullptr && traceback != nullptr) {
+      PyException_SetTraceback(value, traceback);
+    }
+    exc = value != nullptr ? value : Py_NewRef(Py_None);
+    Py_XDECREF(type);
+    Py_XDECREF(traceback);
+  } else {
+    Py_SETREF(returned, result);
+  }
+  PyObject* args[] = {exc, returned, inputs, outputs, eager ? Py_True : Py_False};
+  PyObject* message = PyObject_Vectorcall(kernel.on_failure, args, 5, nullptr);
+  Py_DECREF(exc);
+  Py_DECREF(returned);
+  return message;
+}
+
+// `cache`: the call site's views, or null (the eager path).
 std::string RunPythonKernel(const Kernel& kernel, ffi::RemainingArgs args,
-                            ffi::RemainingRets rets, bool eager) {
+                            ffi::RemainingRets rets, bool eager,
+                            ViewCache* cache) {
   std::string error;
-  PyObject* inputs = WrapAll(args, false, &error);
-  PyObject* outputs = inputs ? WrapAll(rets, true, &error) : nullptr;
+  PyObject* inputs = nullptr;
+  PyObject* outputs = nullptr;
+  bool reused = false;  // then the cache owns the tuples and we borrow them
+  if (cache != nullptr && !cache->busy && cache->inputs != nullptr) {
+    if (Repoint(cache->inputs, args, false) &&
+        Repoint(cache->outputs, rets, true) &&
+        Py_REFCNT(cache->inputs) == 1 && Py_REFCNT(cache->outputs) == 1) {
+      inputs = cache->inputs;
+      outputs = cache->outputs;
+      reused = true;
+    } else {
+      cache->Clear();
+    }
+  }
+  if (!reused) {
+    inputs = WrapAll(args, false, &error);
+    outputs = inputs ? WrapAll(rets, true, &error) : nullptr;
+  } else {
+    cache->busy = true;  // only the run that reuses the views releases them
+  }
   if (outputs != nullptr) {
-    PyObject* result = PyObject_CallFunctionObjArgs(
-        kernel.call, inputs, outputs, eager ? Py_True : Py_False, nullptr);
+    PyObject* result = kernel.direct != nullptr
+                           ? CallDirect(kernel, inputs, outputs, eager)
+                           : CallKernel(kernel, inputs, outputs, eager);
     if (result == nullptr) {
       error = FetchPythonError();
     } else if (result != Py_None) {
@@ -282,8 +416,22 @@ std::string RunPythonKernel(const Kernel& kernel, ffi::RemainingArgs args,
     std::string escaped = CheckEscapes(kernel, inputs, outputs, error, eager);
     if (!escaped.empty()) error = escaped;
   }
-  Py_XDECREF(inputs);
-  Py_XDECREF(outputs);
+  if (cache != nullptr) {
+    if (reused) cache->busy = false;
+    if (!error.empty()) {
+      // A failed run's views may be held somewhere: never reuse them.
+      if (reused) cache->Clear();
+    } else if (!reused && !cache->busy && cache->inputs == nullptr &&
+               outputs != nullptr) {
+      cache->inputs = inputs;  // our references become the cache's
+      cache->outputs = outputs;
+      return error;
+    }
+  }
+  if (!reused) {
+    Py_XDECREF(inputs);
+    Py_XDECREF(outputs);
+  }
   return error;
 }
 
@@ -291,12 +439,15 @@ std::string RunPythonKernel(const Kernel& kernel, ffi::RemainingArgs args,
 // pins the op; compiled call sites pin it themselves (see CallSite).
 std::string RunPythonKernelWithGil(const Kernel& kernel,
                                    ffi::RemainingArgs args,
-                                   ffi::RemainingRets rets, bool eager) {
+                                   ffi::RemainingRets rets, bool eager,
+                                   ViewCache* cache) {
   // A thread Python has never seen is one of XLA's workers (see
   // g_worker_enter in registry.h's SetWorkerHooks).
   bool on_worker = PyGILState_GetThisThreadState() == nullptr;
   PyGILState_STATE gil = PyGILState_Ensure();
-  if (!kernel.Alive()) {
+  // A call site pins its op; an eager caller pins it too, but a slot can be
+  // reused once released, so the eager path checks.
+  if (eager && !kernel.Alive()) {
     std::string error = "jaxdecl: " + kernel.name + ": the op was deleted";
     PyGILState_Release(gil);
     return error;
@@ -306,7 +457,7 @@ std::string RunPythonKernelWithGil(const Kernel& kernel,
     token = PyObject_CallNoArgs(g_worker_enter);
     if (token == nullptr) PyErr_Clear();
   }
-  std::string error = RunPythonKernel(kernel, args, rets, eager);
+  std::string error = RunPythonKernel(kernel, args, rets, eager, cache);
   if (token != nullptr) {
     PyObject* done = PyObject_CallOneArg(g_worker_exit, token);
     if (done == nullptr) PyErr_Clear();
@@ -360,11 +511,12 @@ std::string Hex(const Fingerprint& f) {
   return text;
 }
 
+// `cache`: a compiled call site's reusable views, or null (the eager path).
 std::string Run(const Kernel& kernel, ffi::RemainingArgs args,
-                ffi::RemainingRets rets, bool eager) {
+                ffi::RemainingRets rets, bool eager, ViewCache* cache) {
   if (kernel.c_function == nullptr) {
     if (!Py_IsInitialized()) return "jaxdecl: the Python interpreter is gone";
-    return RunPythonKernelWithGil(kernel, args, rets, eager);
+    return RunPythonKernelWithGil(kernel, args, rets, eager, cache);
   }
   std::vector<jaxdecl_buffer> inputs, outputs;
   if (!Describe(args, &inputs) || !Describe(rets, &outputs)) {
@@ -397,15 +549,17 @@ struct CallSite {
   std::atomic<bool> resolved{false};
   KernelPtr kernel;
   PyObject* pin = nullptr;  // a strong reference to the op instance, or null
+  ViewCache views;          // GIL held
 
   ~CallSite() {
     --live_call_sites;
-    if (pin == nullptr && kernel == nullptr) return;
+    if (pin == nullptr && kernel == nullptr && views.inputs == nullptr) return;
     if (!Py_IsInitialized()) {  // at exit: nothing left to release
       new KernelPtr(std::move(kernel));  // never destroyed: it would need Python
       return;
     }
     PyGILState_STATE gil = PyGILState_Ensure();
+    views.Clear();
     Py_XDECREF(pin);
     kernel.reset();  // the Kernel's destructor takes the GIL too; reentrant
     PyGILState_Release(gil);
@@ -477,7 +631,7 @@ ffi::Error Execute(CallSite* site, ffi::RemainingArgs args,
     return AsError("jaxdecl: the call site was not instantiated");
   }
   if (!Resolve(*site)) return AsError(NotAvailable(*site));
-  return AsError(Run(*site->kernel, args, rets, /*eager=*/false));
+  return AsError(Run(*site->kernel, args, rets, /*eager=*/false, &site->views));
 }
 
 ffi::Error DispatchEager(ffi::AnyBuffer slot, ffi::RemainingArgs args,
@@ -493,7 +647,7 @@ ffi::Error DispatchEager(ffi::AnyBuffer slot, ffi::RemainingArgs args,
     return AsError("jaxdecl: no kernel is registered in slot " +
                    std::to_string(key));
   }
-  std::string error = Run(*kernel, args, rets, /*eager=*/true);
+  std::string error = Run(*kernel, args, rets, /*eager=*/true, nullptr);
   if (kernel->c_function == nullptr && Py_IsInitialized()) {
     // The last reference may be ours (released meanwhile): drop it with the
     // GIL, which the Kernel's destructor would otherwise take on its own.
@@ -525,7 +679,7 @@ bool Kernel::Alive() const {
 
 Kernel::~Kernel() {
   if (call == nullptr && on_escape == nullptr && keepalive == nullptr &&
-      instance_ref == nullptr) {
+      instance_ref == nullptr && direct == nullptr && on_failure == nullptr) {
     return;
   }
   if (!Py_IsInitialized()) return;  // at exit: nothing left to release
@@ -534,6 +688,8 @@ Kernel::~Kernel() {
   Py_XDECREF(on_escape);
   Py_XDECREF(keepalive);
   Py_XDECREF(instance_ref);
+  Py_XDECREF(direct);
+  Py_XDECREF(on_failure);
   PyGILState_Release(gil);
 }
 

@@ -88,7 +88,8 @@ PYBIND11_MODULE(_dispatch, m) {
 
   m.def("register_kernel", [](int64_t hi, int64_t lo, std::string name,
                               py::object call, py::object on_escape,
-                              py::object instance_ref) {
+                              py::object instance_ref, py::object direct,
+                              py::object on_failure) {
     if (!instance_ref.is_none() && !PyWeakref_Check(instance_ref.ptr())) {
       throw py::type_error("instance_ref must be a weak reference or None");
     }
@@ -96,9 +97,14 @@ PYBIND11_MODULE(_dispatch, m) {
     kernel->call = call.release().ptr();
     kernel->on_escape = on_escape.release().ptr();
     if (!instance_ref.is_none()) kernel->instance_ref = instance_ref.release().ptr();
+    if (!direct.is_none() && !on_failure.is_none()) {
+      kernel->direct = direct.release().ptr();
+      kernel->on_failure = on_failure.release().ptr();
+    }
     return jaxdecl::RegisterKernel(std::move(kernel));
   }, py::arg("fingerprint_hi"), py::arg("fingerprint_lo"), py::arg("name"),
         py::arg("call"), py::arg("on_escape"), py::arg("instance_ref"),
+        py::arg("direct") = py::none(), py::arg("on_failure") = py::none(),
         "Registers a Python host kernel until release_kernel; returns its slot.");
 
   m.def("register_c_kernel", [](int64_t hi, int64_t lo, std::string name,

@@ -42,6 +42,12 @@ struct Kernel {
   jaxdecl_kernel c_function = nullptr;
   PyObject* keepalive = nullptr;   // owner of c_function's code (capsule, ctypes)
   PyObject* instance_ref = nullptr;  // weakref to the op the kernel calls, or null
+  // The hot path of a zero-copy rule with one result, or null: the dispatcher
+  // calls direct([instance,] *inputs, out=output) itself, one Python frame
+  // fewer, and on_failure(exc, returned, inputs, outputs, eager) -> message
+  // when it raises or returns something.
+  PyObject* direct = nullptr;
+  PyObject* on_failure = nullptr;
   // False once the op the kernel calls is gone.  GIL held.
   bool Alive() const;
   ~Kernel();

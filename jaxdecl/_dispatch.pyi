@@ -13,8 +13,13 @@ def call_site_type() -> dict[str, Any]:
 def register_kernel(fingerprint_hi: int, fingerprint_lo: int, name: str,
                     call: Callable[[tuple, tuple, bool], str | None],
                     on_escape: Callable[[bool, int, str | None, bool], str],
-                    instance_ref: Any) -> int:
-    """Registers a host kernel until release_kernel; returns its slot (>= 1)."""
+                    instance_ref: Any, direct: Callable[..., None] | None = None,
+                    on_failure: Callable[..., str] | None = None) -> int:
+    """Registers a host kernel until release_kernel; returns its slot (>= 1).
+
+    With `direct` (a zero-copy rule taking ``[instance,] *inputs, out=output``)
+    the dispatcher calls the rule itself, and ``on_failure(exc, returned,
+    inputs, outputs, eager)`` makes the error message when it fails."""
 
 def register_c_kernel(fingerprint_hi: int, fingerprint_lo: int, name: str, address: int,
                       keepalive: Any) -> int:

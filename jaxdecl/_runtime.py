@@ -366,14 +366,23 @@ def make_kernel(function, *, zero_copy: bool, io: RuleIO, context: str,
             return str(exc)
         # The reported traceback starts at the rule, not at jaxdecl's wrappers.
         tb = exc.__traceback__
-        while tb.tb_next is not None and tb.tb_frame.f_code.co_filename == __file__:
+        while tb is not None and tb.tb_next is not None and \
+                tb.tb_frame.f_code.co_filename == __file__:
             tb = tb.tb_next
         exc.__traceback__ = tb
         _detach_views(exc, ins + outs)
         return stash(_explain(exc, context), context, keep=eager)
 
     if run is element and zero_copy and single and not is_c:
-        # The hot path of an unbatched zero-copy rule: one Python frame of ours.
+        # The hot path of an unbatched zero-copy rule. The dispatcher calls the
+        # rule itself (``kernel.direct``: ``method([instance,] *ins, out=out)``)
+        # and hands failures to ``kernel.on_failure``; `kernel` below is the
+        # same call in Python, for the dispatcher's other paths.
+        def on_failure(exc, returned, ins, outs, eager):
+            if exc is None:
+                exc = _returned_value(context, returned)
+            return fail(exc, ins, outs, eager)
+
         if ref is None:
             def kernel(ins, outs, eager):
                 try:
@@ -406,6 +415,9 @@ def make_kernel(function, *, zero_copy: bool, io: RuleIO, context: str,
             except BaseException as exc:  # noqa: BLE001 - every error goes back to XLA
                 return fail(exc, ins, outs, eager)
             return None
+
+    if run is element and zero_copy and single and not is_c:
+        kernel.direct, kernel.on_failure = method, on_failure
 
     def on_escape(is_output: bool, index: int, pending: str | None, eager: bool) -> str:
         names = io.out_names if is_output else io.in_names
@@ -575,7 +587,9 @@ def register(fingerprint: tuple, name: str, kernel, on_escape, instance_ref) -> 
     """Registers a host kernel; it stays registered while the returned Kernel lives."""
     _setup_dispatcher()
     hi, lo = fingerprint
-    slot = _dispatch.register_kernel(hi, lo, name, kernel, on_escape, instance_ref)
+    slot = _dispatch.register_kernel(hi, lo, name, kernel, on_escape, instance_ref,
+                                     getattr(kernel, "direct", None),
+                                     getattr(kernel, "on_failure", None))
     return Kernel(slot, fingerprint, name, instance_ref)
 
 

@@ -426,3 +426,32 @@ def test_rules_calling_ops_of_the_same_signature_nest():
     for _ in range(3):
         np.testing.assert_array_equal(op(x), np.arange(4.0) + 3)
     np.testing.assert_array_equal(jax.jit(op)(x), np.arange(4.0) + 3)
+
+
+class ReshapesItsViews(jd.Primitive):
+    """Reshapes its views in place, which NumPy allows on an array it was handed."""
+
+    @jd.abstract
+    def shapes(self, x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x, *, out):
+        x.shape = (x.size,)
+        out.shape = (out.size,)
+        np.multiply(x, 3.0, out=out)
+
+
+@pytest.mark.parametrize("cls", [ReshapesItsViews, Negate], ids=["reshaping", "plain"])
+def test_compiled_call_site_views_follow_each_run(cls):
+    # A compiled call site reuses its NumPy views from run to run, pointed at
+    # the new buffers; a view the rule changed is never reused as it is.
+    f = jax.jit(cls())
+    factor = 3.0 if cls is ReshapesItsViews else -1.0
+    kept = []
+    for i in range(6):
+        x = jnp.full((2, 3), float(i)) + jnp.arange(6.0).reshape(2, 3)
+        y = f(x)
+        kept.append((np.asarray(x), y))  # earlier results stay right as new runs come
+        for old_x, old_y in kept:
+            np.testing.assert_array_equal(np.asarray(old_y), factor * old_x)

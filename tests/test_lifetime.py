@@ -159,18 +159,39 @@ def test_reused_identity_never_finds_a_dead_op():
     assert len(seen) < 200  # ids were indeed reused
 
 
-def test_create_call_drop_keeps_memory_bounded():
-    # 2000 eager and 200 jitted identity-keyed ops (each holding an 8 kB array);
-    # before kernels were released this grew by ~1.4 GB per 1000 eager ops.
+@pytest.mark.parametrize("devices,extra,eager,jitted", [
+    (2, [], 2000, 200),
+    # Eager calls on sharded arrays once compiled (and kept) one executable per
+    # configuration: 1459 MB per 1000 ops, every op alive.
+    (4, ["--sharded"], 2000, 100),
+], ids=["one-device", "sharded-4dev"])
+def test_create_call_drop_keeps_memory_bounded(devices, extra, eager, jitted):
+    # Identity-keyed ops (each holding an 8 kB array); before kernels were
+    # released this grew by ~1.4 GB per 1000 eager ops.
     script = os.path.join(os.path.dirname(HELPER), "..", "benchmarks", "memory.py")
-    done = subprocess.run([sys.executable, script, "--eager", "2000", "--jit", "200"],
-                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    env = subprocess_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    done = subprocess.run([sys.executable, script, "--eager", str(eager), "--jit", str(jitted),
+                           *extra], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["wrong_results"] == 0
     assert report["ops_alive"] == 0
     assert report["kernels_left"] == 0
+    assert report["call_sites_left"] == 0
     assert report["rss_growth_mb"] < 30, report
+
+
+def test_compiled_call_sites_go_with_their_executables():
+    x = jnp.arange(3.0)
+    _collect()
+    sites = _dispatch.call_site_count()
+    f = jax.jit(lambda v: Offset(0.5)(v) + Offset(1.5)(v))
+    np.testing.assert_allclose(f(x), 2 * np.arange(3.0) + 2.0)
+    assert _dispatch.call_site_count() == sites + 2  # one per call of the program
+    del f
+    jax.clear_caches()
+    _collect()
+    assert _dispatch.call_site_count() == sites
 
 
 # ---------------------------------------------------------------------------
