@@ -110,19 +110,8 @@ class Affine(jd.Primitive):
         return p["a"] * p["x"] + self.shift, p["x"] - self.shift
 
 
-class RowScale(jd.Primitive, sharding="n -> n"):
+class RowScale(Scale, sharding="n -> n"):
     """Declared independent along its only dim: each device runs its block."""
-
-    def __init__(self, factor):
-        self.factor = factor
-
-    @jd.abstract
-    def shapes(self, x):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype)
-
-    @jd.forward
-    def apply(self, x, *, out):
-        np.multiply(x, self.factor, out=out)
 
 
 class Fails(jd.Primitive, sharding="n -> n"):
