@@ -1,4 +1,4 @@
-"""``jd.check``: verify an op's rules the way a careful reviewer would (API.md §6)."""
+"""``jd.check``: verify an op's rules the way a careful reviewer would."""
 
 from __future__ import annotations
 

@@ -239,7 +239,7 @@ sharding = _make_decorator("sharding", """Marks the method that says how the op 
 It sees the inputs as ``jax.ShapeDtypeStruct`` (as ``@abstract`` does) and
 returns a :class:`jd.ShardingRule`; use it when the rule depends on the
 configuration or the shapes, instead of the class options ``sharding=``,
-``replicate=`` and ``reduce=`` (API.md §7).
+``replicate=`` and ``reduce=``.
 
 Example:
     >>> import jax, numpy as np, jaxdecl as jd

@@ -20,7 +20,7 @@ rule               operands                                      results
 
 The user's rule sees *arguments*, not leaves: a :class:`Group` says how one
 argument is rebuilt from flat operands (and one result flattened back). The
-arity of a rule follows its differentiable values (API.md §8): ``@jvp`` gets
+arity of a rule follows its differentiable values: ``@jvp`` gets
 one tangent per input with a differentiable leaf and returns one per output
 with a float leaf, bare when there is exactly one; inside a tangent pytree a
 leaf that has no tangent (an integer leaf) is ``None``.

@@ -1,7 +1,7 @@
 """The op's Python face: instances as ops, shared per configuration, and the call path.
 
 Every op instance maps to an :class:`OpHandle`, shared by all live instances of
-the same class with equal configuration (API.md §1). The handle owns the
+the same class with equal configuration (see :class:`jaxdecl.Primitive`). The handle owns the
 per-shape caches (layouts, kernels). What the primitive carries as its ``op``
 parameter is a :class:`BoundOp`: the handle plus the instance that bound it,
 so that a traced program holds the op it calls.
@@ -397,7 +397,11 @@ def _attributes(instance) -> dict | None:
 
 
 def _config_key(instance):
-    """``(key, items)``: equal keys <=> instances share compiled code (API.md §1).
+    """``(key, items)``: equal keys <=> instances share compiled code.
+
+    A class's own ``__eq__``/``__hash__`` decide where it defines them;
+    otherwise the instance attributes are compared when they are all hashable,
+    and identity is used when they are not.
 
     `items` are the (name, type, value) triples of the configuration, for the
     fingerprint; None when the op is keyed by identity.

@@ -144,7 +144,7 @@ def _store(results, outs, io: RuleIO, context: str, batch_rank: int = 0) -> None
             f"({', '.join(io.out_names)})"
         )
     for index, (value, out) in enumerate(zip(results, outs)):
-        if value is None and io.zeros_ok:  # a zero cotangent (API.md §8)
+        if value is None and io.zeros_ok:  # None: a zero cotangent
             out[...] = 0
             continue
         value = np.asarray(value)

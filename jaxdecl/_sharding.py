@@ -1,9 +1,8 @@
 """Sharding declarations and the factors of every rule derived from them.
 
 An op declares how the dims of its forward's inputs and results relate, in
-the einsum-like factor syntax of ``custom_partitioning``'s ``sharding_rule``
-(API.md §7): ``sharding="b k, k -> b"``. One name per dim; a name is a
-*factor*. A factor is independent (the rules may run on any slice along it)
+the einsum-like factor syntax of ``custom_partitioning``'s ``sharding_rule``:
+``sharding="b k, k -> b"``. One name per dim; a name is a *factor*. A factor is independent (the rules may run on any slice along it)
 unless listed in ``replicate=`` (the rules need it whole) or ``reduce=`` (the
 rules sum over it: partial results are added up across devices).
 

@@ -1,4 +1,4 @@
-"""Batching (API.md §5): loop, vectorized and user @batch rules under every vmap pattern.
+"""Batching: loop, vectorized and user @batch rules under every vmap pattern.
 
 Each batched result is compared against two independent references: a Python
 loop of unbatched calls of the same op, and the same computation written with

@@ -1,4 +1,4 @@
-"""contrib.ducc sharding declarations (API.md §7), checked here and on 4 host devices.
+"""contrib.ducc sharding declarations, checked here and on 4 host devices.
 
 The declarations themselves are checked in this process; the multi-device
 behaviour (no gather in the compiled HLO, DUCC called on each device's block,
@@ -82,7 +82,7 @@ def test_ops_with_result_only_dims(name):
                                   np.eye(32)]),
 ])
 def test_check_passes_with_the_declaration(op, args):
-    """jd.check (which also verifies sharding declarations, API.md §7) accepts the ops."""
+    """jd.check (which also verifies sharding declarations) accepts the ops."""
     jd.check(op, *args)
 
 

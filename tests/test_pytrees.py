@@ -1,4 +1,4 @@
-"""Pytrees in and out of ops, and rule arity that follows the differentiable values (API.md §8).
+"""Pytrees in and out of ops, and rule arity that follows the differentiable values.
 
 References are pure jax.numpy functions of the same pytrees.
 """

@@ -1,4 +1,4 @@
-"""Sharding (API.md §7): declarations, and ops running per shard on several devices.
+"""Sharding declarations (``sharding=``, ``replicate=``, ``reduce=``) and ops run per shard.
 
 Declarations are checked in this process. Multi-device behaviour runs in
 subprocesses with 4 host CPU devices (``helpers_sharding.py``): the compiled

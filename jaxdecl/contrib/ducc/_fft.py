@@ -4,7 +4,7 @@ All four transform any subset of the axes of an n-d array in one DUCC call.
 They share how the axes are stored and checked, and one ``@batch`` rule that
 folds a ``vmap`` axis into that call instead of looping over the batch.
 
-Sharding (API.md §7): ``c2c`` and ``genuine_fht`` declare every axis they do
+Sharding: ``c2c`` and ``genuine_fht`` declare every axis they do
 not transform independent and the transformed axes ``replicate``, so under
 ``jax.jit`` an array sharded along an untransformed axis is transformed block
 by block on each device, with no gather. ``r2c`` and ``c2r`` change the length

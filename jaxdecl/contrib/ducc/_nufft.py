@@ -3,7 +3,7 @@
 Each is the other's adjoint, so both ops are the same two DUCC calls in
 opposite roles; the point coordinates are a non-differentiable input.
 
-Sharding (API.md §7): ``u2nu`` declares its points independent (the value at
+Sharding: ``u2nu`` declares its points independent (the value at
 a point needs the whole grid and that point's coordinates only), so points
 and coordinates sharded alike are evaluated on each device without a gather;
 the transpose sums the per-device grids. ``nu2u`` sums over its points

@@ -4,7 +4,7 @@ Both ops hand DUCC's general ring synthesis a ring geometry (HEALPix, or a
 named 2-D grid) and differ only in that geometry; the rules, the a_lm layout
 and the adjoint live in one shared base class.
 
-Sharding (API.md §7): everything one synthesis needs is whole (``replicate``):
+Sharding: everything one synthesis needs is whole (``replicate``):
 its components, its a_lm and its pixels, so a batch of maps (``vmap``) is
 what splits across devices, each synthesising its own maps. The map's pixels
 are a factor no input has (replicated).

@@ -4,7 +4,7 @@ Degridding and gridding are each other's adjoint, so both ops are the same
 two DUCC calls in opposite roles; ``uvw`` and ``freq`` are non-differentiable
 inputs.
 
-Sharding (API.md §7): ``dirty2vis`` declares its rows and channels
+Sharding: ``dirty2vis`` declares its rows and channels
 independent (a visibility needs the whole image and its own row's ``uvw`` and
 channel's frequency), so visibilities sharded along rows or channels are
 predicted on each device without a gather; the transpose sums the
