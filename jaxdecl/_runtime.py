@@ -129,6 +129,34 @@ def _explain(exc: BaseException, context: str) -> BaseException:
     return exc
 
 
+_READ_ONLY = ("output array is read-only", "assignment destination is read-only",
+              "array is read-only")
+_INPUTS_ARE_VIEWS = "read-only views of XLA's buffers"
+
+
+def _explain_read_only(exc: BaseException, context: str, io: RuleIO, zero_copy: bool) -> None:
+    """Says, in NumPy's own error, that a rule's inputs are read-only views and how to copy.
+
+    NumPy reports a write into an input as "output array is read-only". The
+    exception keeps its type and identity (an eager caller gets it as itself);
+    only its message grows.
+    """
+    if not isinstance(exc, ValueError) or len(exc.args) != 1 or \
+            not isinstance(exc.args[0], str):
+        return
+    message = exc.args[0]
+    if not message.endswith(_READ_ONLY) or _INPUTS_ARE_VIEWS in message:
+        return
+    names = [n for n in io.in_names if "[" not in n] or list(io.in_names)
+    first = names[0] if names and names[0].isidentifier() else "x"
+    instead = ", or write the result into `out`" if zero_copy else \
+        ", or compute a new array and return it"
+    exc.args = (
+        f"{message}: the inputs of {context} ({', '.join(io.in_names)}) are "
+        f"{_INPUTS_ARE_VIEWS}, shared with JAX, and cannot be written. Copy an input "
+        f"before changing it (`{first} = np.array({first})`){instead}",)
+
+
 def _store(results, outs, io: RuleIO, context: str, batch_rank: int = 0) -> None:
     """Validates a rule's return value against the declared outputs and copies it in.
 
@@ -364,6 +392,7 @@ def make_kernel(function, *, zero_copy: bool, io: RuleIO, context: str,
     def fail(exc: BaseException, ins, outs, eager) -> str:
         if isinstance(exc, _KernelFailure):
             return str(exc)
+        _explain_read_only(exc, context, io, zero_copy)
         # The reported traceback starts at the rule, not at jaxdecl's wrappers.
         tb = exc.__traceback__
         while tb is not None and tb.tb_next is not None and \

@@ -449,3 +449,68 @@ def test_eager_calls_under_disable_jit():
         np.testing.assert_array_equal(tangent, 3 * np.arange(3.0) ** 2)
         with pytest.raises(KeyError, match="boom"):
             Boom(True)(x)
+
+
+# ---------------------------------------------------------------------------------------
+# Writing into an input: inputs are read-only views, and the error says so
+# ---------------------------------------------------------------------------------------
+
+
+class WritesInput(jd.Primitive):
+    """Adds one to its input in place (wrong), in the form `how` says."""
+
+    def __init__(self, how):
+        self.how = how
+
+    @jd.abstract
+    def shapes(self, x):
+        return _same(x)
+
+    @jd.forward
+    def apply(self, x, *, out):
+        if self.how == "ufunc":
+            np.add(x, 1, out=x)  # NumPy: "output array is read-only"
+        elif self.how == "setitem":
+            x[0] = 1.0  # NumPy: "assignment destination is read-only"
+        elif self.how == "in_place":
+            x += 1
+        out[...] = x
+
+    @jd.vjp
+    def pull(self, x, ct):
+        ct *= 2  # a cotangent is an input of @vjp: read-only too
+        return ct
+
+
+INPUT_WRITES = {"ufunc": "output array is read-only",
+                "setitem": "assignment destination is read-only",
+                "in_place": "output array is read-only"}
+
+
+@pytest.mark.parametrize("how", sorted(INPUT_WRITES))
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_writing_into_an_input_says_it_is_an_input_and_how_to_copy(how, jit):
+    expected = (rf"{INPUT_WRITES[how]}: the inputs of WritesInput\.apply \(@forward\) \(x\) are "
+                r"read-only views of XLA's buffers.*Copy an input before changing it "
+                r"\(`x = np\.array\(x\)`\), or write the result into `out`")
+    if jit:
+        with pytest.raises(JaxRuntimeError, match="ValueError: " + expected):
+            jax.block_until_ready(jax.jit(WritesInput(how))(jnp.ones(3)))
+    else:
+        with pytest.raises(ValueError, match=expected):  # NumPy's type, kept
+            WritesInput(how)(jnp.ones(3))
+
+
+def test_writing_into_a_cotangent_names_the_rule_and_its_inputs():
+    with pytest.raises(ValueError, match=r"the inputs of WritesInput\.pull \(@vjp\) \(x, "
+                                         r"cotangent of output\) are read-only views.*compute a "
+                                         r"new array and return it"):
+        jax.grad(lambda v: WritesInput("none")(v).sum())(jnp.ones(3))
+
+
+def test_other_value_errors_keep_their_message():
+    error = ValueError("output array is read-only? no: a message of the rule's own")
+    with pytest.raises(ValueError) as info:
+        Says(error)(jnp.ones(2))
+    assert info.value is error and str(error) == \
+        "output array is read-only? no: a message of the rule's own"
