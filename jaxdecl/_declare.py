@@ -13,6 +13,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from . import _signatures
 from ._cfunction import CFunction
 from ._errors import DeclarationError
 from ._op import apply_op, spec_of  # noqa: F401 - spec_of re-exported
@@ -288,24 +289,6 @@ class OpSpec:
 _OPTIONS = ("linear", "multilinear", "nondiff", "batch", "sharding", "replicate", "reduce")
 
 
-def _input_names(cls_name: str, rule: Rule) -> tuple[str, ...]:
-    signature = inspect.signature(rule.function)
-    names = []
-    parameters = list(signature.parameters.values())[1:]  # skip self
-    for parameter in parameters:
-        if parameter.kind in (inspect.Parameter.POSITIONAL_ONLY,
-                              inspect.Parameter.POSITIONAL_OR_KEYWORD):
-            names.append(parameter.name)
-        elif parameter.kind is inspect.Parameter.KEYWORD_ONLY and parameter.name == "out":
-            continue
-        else:
-            raise DeclarationError(
-                f"{cls_name}.{rule.name} (@{rule.kind}): parameter {parameter.name!r} must be "
-                f"a plain positional input (no *args, **kwargs, or keyword-only other than out)"
-            )
-    return tuple(names)
-
-
 def _collect_rules(cls) -> list[Rule]:
     """Marked methods of `cls` and its bases, the most derived one winning by name.
 
@@ -380,16 +363,9 @@ def build_spec(cls, options: dict[str, Any]) -> OpSpec:
                 + ("`@jd.forward def apply(self, ...)`" if kind == "forward"
                    else "`@jd.abstract def shapes(self, ...)` returning jax.ShapeDtypeStruct(s)")
             )
-    # The inputs' names come from @abstract (a C kernel's @forward has none).
-    params = _input_names(name, rules["abstract"])
-    if not isinstance(rules["forward"].function, CFunction):
-        forward_params = _input_names(name, rules["forward"])
-        if forward_params != params:
-            raise DeclarationError(
-                f"{name}.{rules['abstract'].name} (@abstract) takes inputs {params}, but "
-                f"{name}.{rules['forward'].name} (@forward) takes {forward_params}; they must "
-                f"match"
-            )
+    # The inputs' names come from @abstract (a C kernel's @forward has none);
+    # @forward and @sharding must name the same ones.
+    params = _signatures.op_inputs(name, rules, transposes_wrt)
     for input_name in nondiff:
         if input_name not in params:
             raise DeclarationError(
@@ -460,14 +436,9 @@ def build_spec(cls, options: dict[str, Any]) -> OpSpec:
     if declared is not None and "sharding" in rules:
         raise DeclarationError(
             f"{name}: give sharding= or a @jd.sharding method ({rules['sharding'].name}), not both")
-    if "sharding" in rules:
-        if rules["sharding"].zero_copy:
-            raise DeclarationError(f"{name}.{rules['sharding'].name}: @sharding cannot take `out`")
-        method_params = _input_names(name, rules["sharding"])
-        if method_params != params:
-            raise DeclarationError(
-                f"{name}.{rules['sharding'].name} (@sharding) takes inputs {method_params}, but "
-                f"the op's inputs are {params}; they must match")
+    if "sharding" in rules and rules["sharding"].zero_copy:
+        raise DeclarationError(f"{name}.{rules['sharding'].name}: @sharding cannot take `out`")
+    _signatures.check_rules(name, rules, transposes_wrt, params, nondiff)
 
     return OpSpec(
         name=name, params=params, rules=rules, transposes_wrt=transposes_wrt, linear=linear,

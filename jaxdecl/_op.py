@@ -52,6 +52,7 @@ from . import (
     _partition,
     _runtime,
     _sharding,
+    _signatures,
     _structure,
 )
 from ._cfunction import CFunction
@@ -77,6 +78,7 @@ class OpHandle:
         self.spec = spec
         self.fingerprint = _claim_fingerprint(self, cls, items)
         self._layouts: dict = {}
+        self._rule_ios: dict = {}  # (primals, rule, wrt) -> RuleIO, its arity checked
         self._kernels: dict = {}
         self._shardings: dict = {}  # primals -> _sharding.Resolved or None
         self.declares_sharding = spec.sharding is not None or "sharding" in spec.rules
@@ -92,6 +94,23 @@ class OpHandle:
             layout = _layout.compute_layout(self.spec, instance, primals)
             self._layouts[primals] = layout
         return layout
+
+    def rule_io(self, primals: tuple, rule: str, wrt: int, instance) -> _layout.RuleIO:
+        """The operands and results of `rule` at `primals`, checked against its signature.
+
+        The first time a rule is traced at some input types, its parameters
+        are counted against what jaxdecl will pass (how many tangents or
+        cotangents depends on the dtypes): a mismatch is a DeclarationError
+        now rather than a bare TypeError from inside XLA later.
+        """
+        key = (primals, rule, wrt)
+        io = self._rule_ios.get(key)
+        if io is None:
+            layout = self.layout(primals, instance)
+            io = _layout.rule_io(self.spec, layout, rule, wrt)
+            _signatures.check_traced(self.spec, layout, rule, wrt, io)
+            self._rule_ios[key] = io
+        return io
 
     def sharding(self, primals: tuple, instance):
         """The sharding declaration applied to `primals` (None: the op declares none)."""
@@ -155,7 +174,7 @@ class OpHandle:
         looped = bool(batch) and spec.batch_mode == "loop"
         if isinstance(user.function, CFunction) and user.kind != "adjoint" and not looped:
             return _runtime.register_c(fingerprint, name, user.function)
-        io = _layout.rule_io(spec, self.layout(primals, instance), rule, wrt)
+        io = self.rule_io(primals, rule, wrt, instance)
         function, ref = _runtime.weak_binding(user, instance)
         if io.structured:
             # The rule takes and returns pytrees; the kernel deals in flat arrays.
@@ -291,7 +310,8 @@ class BoundOp:
         return self.handle.layout(primals, self.instance)
 
     def rule_io(self, primals: tuple, rule: str, wrt: int) -> _layout.RuleIO:
-        return _layout.rule_io(self.spec, self.layout(primals), rule, wrt)
+        """See :meth:`OpHandle.rule_io`."""
+        return self.handle.rule_io(primals, rule, wrt, self.instance)
 
     def user_rule(self, rule: str, wrt: int = -1):
         return self.handle.user_rule(rule, wrt)
@@ -442,6 +462,56 @@ def _claim_fingerprint(handle, cls, items) -> str:
     return text
 
 
+def _is_traced(value) -> bool:
+    """`value` is a JAX tracer, or a pytree (list, dict, Module, ...) holding one."""
+    if isinstance(value, _compat.Tracer):
+        return True
+    if isinstance(value, (int, float, complex, str, bytes, np.ndarray, jax.Array, type)) \
+            or value is None:
+        return False
+    try:
+        return any(isinstance(leaf, _compat.Tracer) for leaf in jax.tree_util.tree_leaves(value))
+    except Exception:  # noqa: BLE001 - an exotic object is no pytree of tracers
+        return False
+
+
+def check_static(spec, instance) -> None:
+    """Raises TypeError when the op's configuration, or a rule's closure, holds a tracer.
+
+    The rules run on the host, outside the trace, and read the configuration
+    there: a traced value (an array field of an equinox.Module op passed
+    through ``eqx.filter_jit``, an op built from a traced value, a rule closing
+    over one) cannot be read, and would fail later inside XLA.
+    """
+    for name, value in (_attributes(instance) or {}).items():
+        if _is_traced(value):
+            raise TypeError(
+                f"{spec.name}: the op's configuration attribute {name!r} is a JAX tracer: "
+                f"it is traced by the function that calls the op (jax.jit or "
+                f"eqx.filter_jit over an op with an array field, or an op built from a "
+                f"traced value). Configuration is static (the rules read it on the host), so "
+                f"either pass {name!r} as an input of the op (a parameter of @abstract and "
+                f"the rules; list it in nondiff= if it is not differentiated: the way for "
+                f"large arrays), or mark it static (`{name}: ... = eqx.field(static=True)` "
+                f"on an equinox field; or close over the op instead of passing it to the "
+                f"traced function)")
+    for rule in list(spec.rules.values()) + list(spec.transposes_wrt.values()):
+        code = getattr(rule.function, "__code__", None)
+        cells = getattr(rule.function, "__closure__", None) or ()
+        for variable, cell in zip(getattr(code, "co_freevars", ()), cells):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if _is_traced(value):
+                raise TypeError(
+                    f"{spec.name}.{rule.name} (@{rule.kind}) closes over {variable!r}, a "
+                    f"JAX tracer of the function being traced; the rule runs on the host "
+                    f"and cannot read it. Either pass {variable!r} as an input of the op "
+                    f"(list it in nondiff= if it is not differentiated), or make it static: "
+                    f"a NumPy array or Python value computed outside the traced function")
+
+
 def _anchor(instance, handle: OpHandle) -> None:
     """Keeps `handle` alive while `instance` lives, and no longer."""
     first = id(instance) not in _anchors
@@ -469,6 +539,7 @@ def handle_of(instance) -> OpHandle:
         with _lock:
             handle = _live.get(key)
             if handle is None:
+                check_static(spec, instance)
                 handle = OpHandle(spec, type(instance), items)
                 _live[key] = handle
     if _anchors.get(id(instance)) is not handle:
@@ -605,6 +676,7 @@ def apply_op(instance, args: tuple, kwargs: dict):
     if kwargs or len(args) != len(spec.params):
         args = _arguments(spec, args, kwargs)
     if not _compat.not_tracing():
+        check_static(spec, instance)
         return bind_forward(BoundOp(handle, instance), args)
     if handle.declares_sharding and _spans_devices(args):
         # The shared single-device executable would gather; this runs per shard.

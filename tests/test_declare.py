@@ -214,6 +214,29 @@ def shapes_of_a(self, a):
     return _same(a)
 
 
+def shapes2(self, x1, x2):
+    return _same(x1)
+
+
+def apply2_inputs(self, x1, x2):
+    return x1 * x2
+
+
+def shapes_wx(self, w, x):
+    return _same(x)
+
+
+def apply_wx(self, w, x):
+    return w * x
+
+
+def _fn(source):
+    """A function from its source: signatures that Python would flag in a class body."""
+    namespace = {}
+    exec(source, namespace)
+    return next(v for k, v in namespace.items() if k != "__builtins__")
+
+
 BAD_DECLARATIONS = {
     "two_forward": (
         {"shapes": jd.abstract(shapes), "apply": jd.forward(apply),
@@ -236,6 +259,73 @@ BAD_DECLARATIONS = {
     "nondiff_unknown": (
         {"shapes": jd.abstract(shapes), "apply": jd.forward(apply)},
         {"nondiff": ("theta",)}, ["'theta'", "Bad.apply"]),
+    # Rules' signatures, checked against @abstract's inputs when the class is created.
+    "vjp_missing_input": (
+        {"shapes": jd.abstract(shapes2), "apply": jd.forward(apply2_inputs),
+         "pull": jd.vjp(_fn("def pull(self, x1, ct): return ct"))},
+        {}, ["Bad.pull (@vjp) takes (self, x1, ct)", "`def pull(self, x1, x2, ct)`",
+             "x2 is missing"]),
+    "vjp_missing_cotangent": (
+        {"shapes": jd.abstract(shapes2), "apply": jd.forward(apply2_inputs),
+         "pull": jd.vjp(_fn("def pull(self, x1, x2): return x1"))},
+        {}, ["Bad.pull (@vjp)", "`def pull(self, x1, x2, ct)`", "a cotangent is missing"]),
+    "jvp_without_tangents": (
+        {"shapes": jd.abstract(shapes2), "apply": jd.forward(apply2_inputs),
+         "push": jd.jvp(_fn("def push(self, x1, x2): return x1"))},
+        {}, ["Bad.push (@jvp)", "`def push(self, x1, x2, dx1, dx2)`", "a tangent is missing"]),
+    "jvp_too_many_tangents": (
+        {"shapes": jd.abstract(shapes), "apply": jd.forward(apply),
+         "push": jd.jvp(_fn("def push(self, x, dx, dy): return dx"))},
+        {}, ["Bad.push (@jvp)", "`def push(self, x, dx)`", "at most 2"]),
+    "jvp_of_nondiff_inputs_only": (
+        {"shapes": jd.abstract(shapes), "apply": jd.forward(apply),
+         "push": jd.jvp(_fn("def push(self, x, dx): return dx"))},
+        {"nondiff": ("x",)}, ["Bad.push (@jvp)", "nondiff=", "never run"]),
+    "out_positional": (
+        {"shapes": jd.abstract(shapes),
+         "apply": jd.forward(_fn("def apply(self, x, out): out[...] = x"))},
+        {}, ["Bad.apply (@forward)", "`out` is a positional parameter",
+             "`def apply(self, x, *, out)`"]),
+    "out_positional_in_vjp": (
+        {"shapes": jd.abstract(shapes), "apply": jd.forward(apply),
+         "pull": jd.vjp(_fn("def pull(self, x, ct, out): out[...] = ct"))},
+        {}, ["Bad.pull (@vjp)", "`def pull(self, x, ct, *, out)`"]),
+    "forward_without_self": (
+        {"shapes": jd.abstract(shapes),
+         "apply": jd.forward(_fn("def apply(x, *, out): out[...] = x"))},
+        {}, ["Bad.apply (@forward) has no `self`", "`def apply(self, x, *, out)`"]),
+    "abstract_without_self": (
+        {"shapes": jd.abstract(_fn("def shapes(x): return x")), "apply": jd.forward(apply)},
+        {}, ["Bad.shapes (@abstract) has no `self`", "`def shapes(self, x)`"]),
+    "vjp_without_self": (
+        {"shapes": jd.abstract(shapes), "apply": jd.forward(apply),
+         "pull": jd.vjp(_fn("def pull(x, ct): return ct"))},
+        {}, ["Bad.pull (@vjp) has no `self`", "`def pull(self, x, ct)`"]),
+    "transpose_without_self": (
+        {"shapes": jd.abstract(shapes), "apply": jd.forward(apply),
+         "apply_t": jd.transpose(_fn("def apply_t(ct): return ct"))},
+        {"linear": True}, ["Bad.apply_t (@transpose)", "`def apply_t(self, ct)`", "no `self`?"]),
+    "rule_without_parameters": (
+        {"shapes": jd.abstract(shapes), "apply": jd.forward(_fn("def apply(): pass"))},
+        {}, ["Bad.apply (@forward) takes no parameters", "add `self`"]),
+    "transpose_missing_nondiff_input": (
+        {"shapes": jd.abstract(shapes_wx), "apply": jd.forward(apply_wx),
+         "apply_t": jd.transpose(_fn("def apply_t(self, ct): return ct"))},
+        {"linear": True, "nondiff": ("w",)},
+        ["Bad.apply_t (@transpose)", "`def apply_t(self, w, ct)`"]),
+    "multilinear_transpose_missing_input": (
+        {"shapes": jd.abstract(shapes2), "apply": jd.forward(apply2_inputs),
+         "t1": jd.transpose(wrt="x1")(_fn("def t1(self, ct): return ct")),
+         "t2": jd.transpose(wrt="x2")(_fn("def t2(self, x1, ct): return ct"))},
+        {"multilinear": True}, ["Bad.t1 (@transpose(wrt='x1'))", "`def t1(self, x2, ct)`"]),
+    "batch_missing_axes": (
+        {"shapes": jd.abstract(shapes), "apply": jd.forward(apply),
+         "batched": jd.batch(_fn("def batched(self, args): return args"))},
+        {}, ["Bad.batched (@batch)", "`def batched(self, args, axes)`"]),
+    "unknown_required_keyword": (
+        {"shapes": jd.abstract(shapes),
+         "apply": jd.forward(_fn("def apply(self, x, *, scale): return x"))},
+        {}, ["Bad.apply (@forward)", "['scale']", "give a default"]),
 }
 
 
@@ -512,3 +602,208 @@ def test_non_array_input_names_the_op_and_input(value, jit):
     with pytest.raises(TypeError, match=rf"Same: input {name} is a .*not an array.*belongs on "
                                         r"the instance"):
         f(jnp.ones(2))
+
+
+# ---------------------------------------------------------------------------
+# Signatures whose arity depends on the dtypes: checked when first traced
+# ---------------------------------------------------------------------------
+
+
+class Gather(jd.Primitive):
+    """y = x[i]: an integer input, which takes no tangent. Counts its rule calls."""
+
+    calls = 0
+
+    @jd.abstract
+    def shapes(self, x, i):
+        return jax.ShapeDtypeStruct(i.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x, i):
+        type(self).calls += 1
+        return x[i]
+
+    @jd.jvp
+    def push(self, x, i, dx, di):  # wrong: `i` is an integer input, it has no tangent
+        type(self).calls += 1
+        return dx[i]
+
+
+def test_jvp_given_a_tangent_for_an_integer_input_fails_when_traced():
+    # Accepted when the class is created: `i` could have been a float input.
+    x, i = jnp.arange(4.0), jnp.array([3, 0])
+    Gather.calls = 0
+    with pytest.raises(jd.DeclarationError) as info:
+        jax.jit(lambda x, t: jax.jvp(lambda v: Gather()(v, i), (x,), (t,)))(x, jnp.ones(4))
+    message = str(info.value)
+    for fragment in ["Gather.push (@jvp) takes (self, x, i, dx, di)",
+                     "i is an integer input here, which takes no tangent",
+                     "`def push(self, x, i, dx)`"]:
+        assert fragment in message, (fragment, message)
+    assert Gather.calls == 0  # fails while tracing: no rule ran
+
+
+class TwoOutputs(jd.Primitive):
+    """(2x, 3x): two float outputs, so a @vjp takes two cotangents."""
+
+    @jd.abstract
+    def shapes(self, x):
+        return _same(x), _same(x)
+
+    @jd.forward
+    def apply(self, x):
+        return 2 * x, 3 * x
+
+    @jd.vjp
+    def pull(self, x, ct):  # wrong: one cotangent per float output
+        return 2 * ct
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_vjp_with_too_few_cotangents_fails_when_traced(jit):
+    f = jax.grad(lambda x: sum(o.sum() for o in TwoOutputs()(x)))
+    with pytest.raises(jd.DeclarationError,
+                       match=r"TwoOutputs\.pull \(@vjp\) takes \(self, x, ct\), but at these "
+                             r"input types.*\(2 here\): `def pull\(self, x, ct0, ct1\)`"):
+        (jax.jit(f) if jit else f)(jnp.ones(3))
+
+
+class IntegerSecondOutput(jd.Primitive):
+    """(x**2, argsort(x)): the integer output takes no cotangent, so (self, x, ct) is right."""
+
+    @jd.abstract
+    def shapes(self, x):
+        return _same(x), jax.ShapeDtypeStruct(x.shape, np.int32)
+
+    @jd.forward
+    def apply(self, x):
+        return x**2, np.argsort(x).astype(np.int32)
+
+    @jd.vjp
+    def pull(self, x, ct):
+        return 2 * x * ct
+
+
+class VarargsRules(jd.Primitive):
+    """x1 * x2 with rules that take *args: their arity is not checked."""
+
+    @jd.abstract
+    def shapes(self, x1, x2):
+        return _same(x1)
+
+    @jd.forward
+    def apply(self, x1, x2):
+        return x1 * x2
+
+    @jd.jvp
+    def push(self, *args):
+        x1, x2, dx1, dx2 = args
+        return dx1 * x2 + x1 * dx2
+
+    @jd.vjp
+    def pull(self, *args):
+        x1, x2, ct = args
+        return ct * x2, ct * x1
+
+
+def test_right_signatures_pass_the_traced_check():
+    x = jnp.array([3.0, 1.0, 2.0])
+    np.testing.assert_allclose(jax.grad(lambda v: IntegerSecondOutput()(v)[0].sum())(x), 2 * x)
+    a, b = jnp.array([1.0, 2.0]), jnp.array([3.0, 5.0])
+    grads = jax.grad(lambda p, q: VarargsRules()(p, q).sum(), argnums=(0, 1))(a, b)
+    np.testing.assert_allclose(grads[0], b)
+    np.testing.assert_allclose(grads[1], a)
+    _, tangent = jax.jvp(VarargsRules(), (a, b), (jnp.ones(2), jnp.zeros(2)))
+    np.testing.assert_allclose(tangent, b)
+
+
+# ---------------------------------------------------------------------------
+# Configuration is static: a traced value there fails at trace time, named
+# ---------------------------------------------------------------------------
+
+
+@jd.primitive
+class TableModule(eqx.Module):
+    """y = x * sum(table): an equinox op holding an array field."""
+
+    table: jax.Array
+
+    @jd.abstract
+    def shapes(self, x):
+        return _same(x)
+
+    @jd.forward
+    def apply(self, x):
+        return (x * np.sum(self.table)).astype(x.dtype)
+
+
+@jd.primitive
+class StaticTableModule(eqx.Module):
+    """The first fix: the field marked static (a hashable tuple)."""
+
+    table: tuple = eqx.field(static=True)
+
+    @jd.abstract
+    def shapes(self, x):
+        return _same(x)
+
+    @jd.forward
+    def apply(self, x):
+        return (x * sum(self.table)).astype(x.dtype)
+
+
+@jd.primitive
+class TableInput(eqx.Module):
+    """The second fix: the table is an input of the op."""
+
+    @jd.abstract
+    def shapes(self, x, table):
+        return _same(x)
+
+    @jd.forward
+    def apply(self, x, table):
+        return (x * np.sum(table)).astype(x.dtype)
+
+
+def test_array_field_traced_by_filter_jit_names_attribute_and_fixes():
+    op, x = TableModule(jnp.array([1.0, 2.0])), jnp.arange(3.0)
+    np.testing.assert_allclose(op(x), 3 * np.arange(3.0))  # eagerly the field is an array
+    with pytest.raises(TypeError) as info:
+        eqx.filter_jit(lambda op, x: op(x))(op, x)
+    message = str(info.value)
+    for fragment in ["TableModule", "attribute 'table' is a JAX tracer",
+                     "pass 'table' as an input", "eqx.field(static=True)"]:
+        assert fragment in message, (fragment, message)
+    # Both fixes work under eqx.filter_jit, against NumPy.
+    table = np.array([1.0, 2.0])
+    got = eqx.filter_jit(lambda op, x: op(x))(StaticTableModule((1.0, 2.0)), x)
+    np.testing.assert_allclose(got, x * table.sum())
+    got = eqx.filter_jit(lambda op, x, t: op(x, t))(TableInput(), x, jnp.asarray(table))
+    np.testing.assert_allclose(got, x * table.sum())
+
+
+def test_op_built_from_a_traced_value_names_attribute():
+    with pytest.raises(TypeError, match=r"ScaleBase: the op's configuration attribute "
+                                        r"'factor' is a JAX tracer.*as an input.*static"):
+        jax.jit(lambda s, x: ScaleBase(s)(x))(2.0, jnp.ones(2))
+    with pytest.raises(TypeError, match="'factor' is a JAX tracer"):
+        jax.grad(lambda s: ScaleBase(s)(jnp.ones(2)).sum())(2.0)
+
+
+def test_rule_closing_over_a_traced_value_names_variable():
+    def f(s, x):
+        class Closure(jd.Primitive):
+            @jd.abstract
+            def shapes(self, x):
+                return _same(x)
+
+            @jd.forward
+            def apply(self, x):
+                return x * s
+
+        return Closure()(x)
+
+    with pytest.raises(TypeError, match=r"Closure\.apply \(@forward\) closes over 's', a JAX "
+                                        r"tracer.*pass 's' as an input.*static"):
+        jax.jit(f)(2.0, jnp.ones(2))
+    np.testing.assert_allclose(f(2.0, jnp.ones(2)), 2 * np.ones(2))  # a number is static
