@@ -286,7 +286,8 @@ class OpSpec:
         return f"{self.name}.{rule.name}" if rule else f"{self.name} (@{kind})"
 
 
-_OPTIONS = ("linear", "multilinear", "nondiff", "batch", "sharding", "replicate", "reduce")
+_SHARDING_OPTIONS = ("sharding", "replicate", "reduce")
+_OPTIONS = ("linear", "multilinear", "nondiff", "batch") + _SHARDING_OPTIONS
 
 
 def _collect_rules(cls) -> list[Rule]:
@@ -435,7 +436,9 @@ def build_spec(cls, options: dict[str, Any]) -> OpSpec:
     declared = from_options(name, options, params)
     if declared is not None and "sharding" in rules:
         raise DeclarationError(
-            f"{name}: give sharding= or a @jd.sharding method ({rules['sharding'].name}), not both")
+            f"{name}: give sharding= or a @jd.sharding method ({rules['sharding'].name}), not "
+            f"both (a subclass removes an inherited method with `{rules['sharding'].name} = "
+            f"None`)")
     if "sharding" in rules and rules["sharding"].zero_copy:
         raise DeclarationError(f"{name}.{rules['sharding'].name}: @sharding cannot take `out`")
     _signatures.check_rules(name, rules, transposes_wrt, params, nondiff)
@@ -467,8 +470,15 @@ class PrimitiveMeta(type):
         cls = super().__new__(mcls, name, bases, namespace)
         if namespace.get("__jaxdecl_base__", False):
             return cls
-        # A subclass inherits its parent's options unless it gives its own.
+        # A subclass inherits its parent's options unless it gives its own. A new
+        # sharding declaration (sharding= or a @jd.sharding method) replaces the
+        # whole declaration: the parent's replicate=/reduce= describe its factors.
         inherited = dict(getattr(cls, "__jaxdecl_options__", {}))
+        if "sharding" in options or any(
+                getattr(getattr(value, _MARK, None), "kind", None) == "sharding"
+                for value in namespace.values()):
+            for key in _SHARDING_OPTIONS:
+                inherited.pop(key, None)
         inherited.update(options)
         cls.__jaxdecl_options__ = inherited
         return _install(cls, inherited)

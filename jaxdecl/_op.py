@@ -84,6 +84,7 @@ class OpHandle:
         self.declares_sharding = spec.sharding is not None or "sharding" in spec.rules
         self.eager_calls: dict = {}  # primals -> _eager.Call
         self.sharded_calls: dict = {}  # (primals, mesh, operand specs) -> _eager.Call
+        self.gather_warned: set = set()  # signatures warned about (see _partition.warn_gathers)
 
     def __repr__(self) -> str:
         return self.spec.name
@@ -242,6 +243,7 @@ class OpHandle:
         io = op.rule_io(primals, FORWARD, -1)
         p = _partition.plan(factors, specs, axis_sizes, strict=_compat.has_explicit_axes(mesh),
                             describe=lambda *where: refusal(op, io, FORWARD, *where))
+        _partition.warn_gathers(op, FORWARD, -1, primals, (), p)
         local_primals, _, local_in = _partition.shard_equation(
             op, FORWARD, -1, primals, (), factors, p, axis_sizes, in_shapes,
             [shape for shape, _ in layout.outputs])

@@ -32,7 +32,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import os
 import secrets
+import sys
+import warnings
+
+import jax
+import jaxlib
 
 from . import _compat, _layout, _runtime
 from ._errors import RuleError
@@ -57,6 +63,7 @@ class Plan:
     operand_specs: tuple  # per operand: a PartitionSpec-like tuple of entries
     result_specs: tuple
     summed: tuple  # per result: mesh axes whose partial results must be summed
+    gathered: tuple = ()  # (operand, dim, factor, mesh axes): split inputs of replicate factors
 
     def local_size(self, factor, size: int, axis_sizes: dict) -> int:
         axes = self.factor_axes.get(factor, ())
@@ -76,6 +83,7 @@ def plan(factors, specs, axis_sizes: dict, *, strict: bool = False, describe=Non
     """
     factor_axes: dict = {}
     used: set = set()
+    gathered = []
     for operand, (names, spec) in enumerate(zip(factors.operands, specs)):
         spec = tuple(spec)
         for dim, factor in enumerate(names):
@@ -96,6 +104,8 @@ def plan(factors, specs, axis_sizes: dict, *, strict: bool = False, describe=Non
                 used.update(axes)
             elif strict:
                 raise _compat.ShardingTypeError(describe(operand, dim, factor, why, axes))
+            elif why == "replicate":
+                gathered.append((operand, dim, factor, axes))
     operand_specs = tuple(tuple(_entry(factor_axes.get(f, ())) for f in names)
                           for names in factors.operands)
     result_specs = tuple(tuple(_entry(factor_axes.get(f, ())) for f in names)
@@ -106,7 +116,51 @@ def plan(factors, specs, axis_sizes: dict, *, strict: bool = False, describe=Non
         axes = set(itertools.chain.from_iterable(
             a for f, a in factor_axes.items() if f not in names))
         summed.append(tuple(a for a in order if a in axes))
-    return Plan(factor_axes, operand_specs, result_specs, tuple(summed))
+    return Plan(factor_axes, operand_specs, result_specs, tuple(summed), tuple(gathered))
+
+
+def warn_gathers(op, rule: str, wrt: int, primals: tuple, batch: tuple, p: Plan) -> None:
+    """Warns, once per op and signature, that inputs split along a replicate factor are gathered.
+
+    Such an input is all-gathered onto every device before the rule runs: correct,
+    but the communication and memory of an unsharded op, which nothing else
+    would tell the user about.
+    """
+    if not p.gathered:
+        return
+    key = (rule, wrt, primals, batch)
+    if key in op.handle.gather_warned:
+        return
+    op.handle.gather_warned.add(key)
+    io = op.rule_io(primals, rule, wrt)
+    where = "" if rule == "forward" else f" (in its {rule} rule)"
+    inputs = "; ".join(
+        f"input {io.in_names[operand]!r} is split along dim {dim} (factor {factor!r}) over "
+        f"mesh axes {axes}" for operand, dim, factor, axes in p.gathered)
+    factors = sorted({factor for _, _, factor, _ in p.gathered})
+    warnings.warn(
+        f"{op.spec.name}{where}: {inputs}, but the op declares "
+        f"{', '.join(repr(f) for f in factors)} in replicate= (the rules need it whole), so "
+        f"XLA gathers that input onto every device first. Reshard it with that dim unsharded "
+        f"to avoid the gather, or, if the rules may run on slices along it, declare the "
+        f"factor independent (and verify the declaration with jd.check)",
+        UserWarning, stacklevel=_caller_level())
+
+
+_LIBRARIES = tuple(os.path.dirname(os.path.abspath(path)) + os.sep
+                   for path in (__file__, jax.__file__, jaxlib.__file__))
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` that points a warning at the user's code, past jaxdecl and JAX.
+
+    XLA runs the partition callback during compilation, where no user frame may
+    be on the stack: the warning then points at jaxdecl's caller of it.
+    """
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
 
 
 def local_params(factors, p: Plan, axis_sizes: dict, primals: tuple, batch: tuple) -> tuple:
@@ -168,6 +222,7 @@ def lower(ctx, args, *, op, rule, wrt, primals, batch, factors, bind):
             axis_sizes = dict(mesh.shape)
             specs = [_spec_of(s) for s in arg_shapes]
             p = plan(factors, specs, axis_sizes)
+            warn_gathers(op, rule, wrt, primals, batch, p)
             local_primals, local_batch, local_in = shard_equation(
                 op, rule, wrt, primals, batch, factors, p, axis_sizes, operand_shapes,
                 [tuple(a.shape) for a in result_avals])

@@ -230,3 +230,85 @@ def test_check_rejects_a_wrong_declaration_naming_class_and_factor(op, factor, k
     with pytest.raises(AssertionError, match=rf"{name}'s sharding declaration is wrong: factor "
                                              rf"'{factor}' is declared {kind}"):
         jd.check(op, x)
+
+
+# ---------------------------------------------------------------------------------------
+# Subclasses redeclaring sharding=, and gathers forced by replicate= (2 host devices)
+# ---------------------------------------------------------------------------------------
+
+class _Scale(jd.Primitive, sharding="b n -> b n", replicate=("n",)):
+    """Elementwise, but declared (over-cautiously) to need each row whole."""
+
+    @jd.abstract
+    def shapes(self, x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x):
+        return 2 * x
+
+
+class _ScaleSplit(_Scale, sharding="b n -> b n"):
+    """A new declaration: the parent's replicate= does not carry over."""
+
+
+class _ScaleMethod(_Scale):
+    """A @jd.sharding method replaces the parent's class options too."""
+
+    @jd.sharding
+    def split(self, x):
+        return jd.ShardingRule("b n -> b n")
+
+
+class _ScaleMore(_Scale, replicate=("b", "n")):
+    """Options given without sharding= update the inherited declaration."""
+
+
+def test_redeclared_sharding_does_not_inherit_replicate_or_reduce():
+    assert _Scale.__jaxdecl_spec__.sharding.replicate == ("n",)
+    assert _ScaleSplit.__jaxdecl_spec__.sharding == jd.ShardingRule("b n -> b n")
+    assert _ScaleMethod.__jaxdecl_spec__.sharding is None
+    assert "sharding" in _ScaleMethod.__jaxdecl_spec__.rules
+    assert _ScaleMore.__jaxdecl_spec__.sharding == jd.ShardingRule("b n -> b n",
+                                                                   replicate=("b", "n"))
+    matvec = _op("MatVec", sharding="b k, k -> b", reduce=("k",))
+    elementwise = type("Elementwise", (matvec,), {}, sharding="b n, k -> b n",
+                       replicate=("k",))
+    assert elementwise.__jaxdecl_spec__.sharding.reduce == ()
+    x = np.arange(12.0).reshape(3, 4)
+    for op in (_ScaleSplit(), _ScaleMethod()):
+        jd.check(op, x)  # independent along both factors: right, and verified
+        np.testing.assert_array_equal(op(x), 2 * x)
+
+
+def _mesh():
+    from jax.sharding import AxisType
+
+    return jax.make_mesh((2,), ("d",), axis_types=(AxisType.Auto,))
+
+
+def test_gather_forced_by_replicate_warns_once_naming_op_input_and_factor():
+    import warnings
+
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = _mesh()
+    x = np.arange(16.0).reshape(2, 8)
+    split_n = jax.device_put(x, NamedSharding(mesh, P(None, "d")))  # along the replicate factor
+    with pytest.warns(UserWarning, match=r"_Scale: input 'x' is split along dim 1 \(factor "
+                                         r"'n'\) over mesh axes \('d',\), but the op declares "
+                                         r"'n' in replicate=.*gathers.*jd.check") as record:
+        y = jax.jit(lambda v: _Scale()(v))(split_n)
+    assert len([w for w in record if "_Scale" in str(w.message)]) == 1
+    np.testing.assert_array_equal(y, 2 * x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same op and signature: no second warning
+        np.testing.assert_array_equal(jax.jit(lambda v: _Scale()(v) + 0)(split_n), 2 * x)
+        np.testing.assert_array_equal(_Scale()(split_n), 2 * x)  # eager, per shard
+        # Split along an independent factor: nothing is gathered, nothing said.
+        split_b = jax.device_put(x, NamedSharding(mesh, P("d", None)))
+        np.testing.assert_array_equal(jax.jit(lambda v: _Scale()(v))(split_b), 2 * x)
+    # Another signature warns again, as does the eager path's first call.
+    with pytest.warns(UserWarning, match=r"_ScaleMore: input 'x' is split along dim 1"):
+        _ScaleMore()(jax.device_put(np.ones((2, 4)), NamedSharding(mesh, P(None, "d"))))
