@@ -38,11 +38,17 @@ from ._declare import (
     transpose,
     vjp,
 )
-from ._dtypes import SUPPORTED as SUPPORTED_DTYPES
+from ._dtypes import SUPPORTED as _SUPPORTED
 from ._errors import BufferEscapeError, DeclarationError, MissingRuleError, RuleError
 from ._sharding import ShardingRule
 
 __version__ = "0.1.0"
+
+#: The dtypes an op accepts and produces, by NumPy name: bool, signed and
+#: unsigned integers of 8-64 bits, float16, bfloat16 (``ml_dtypes``), float32,
+#: float64, complex64 and complex128. Any other dtype is a ``TypeError``
+#: naming the input or output.
+SUPPORTED_DTYPES = _SUPPORTED
 
 _compat.hide_frames(_os.path.dirname(__file__))
 

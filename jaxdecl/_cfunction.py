@@ -23,7 +23,13 @@ _capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 
 
 def include_dir() -> str:
-    """The folder holding ``jaxdecl.h``, for compiling C kernels."""
+    """The folder holding ``jaxdecl.h``, for compiling C kernels (``-I`` on the command line).
+
+    Example:
+        >>> import os, jaxdecl as jd
+        >>> sorted(os.listdir(jd.include_dir()))
+        ['jaxdecl.h']
+    """
     return os.path.join(os.path.dirname(__file__), "include")
 
 
@@ -42,28 +48,16 @@ def _address_of(function) -> int:
 class CFunction:
     """A C kernel usable as any rule: ``apply = jd.forward(jd.cfunction(lib.scale))``.
 
-    The C function has the signature ``jaxdecl_kernel`` of ``jaxdecl.h``: it
-    receives the rule's operands and results (in the order the Python rule
-    would) as dense row-major buffers and returns 0, or non-zero with a
-    message. It runs without the GIL and must be thread-safe. Under
-    ``batch="loop"`` it is called once per batch element; under
-    ``"vectorized"`` it sees the leading batch dimensions.
-
+    Made by :func:`cfunction`, which documents the calling convention.
     Calling the object from Python runs the kernel on NumPy arrays
     (``kernel(*inputs, out=outputs)``), which is what ``jd.check`` does.
 
-    Args:
-      function: a PyCapsule holding the function pointer (from your own
-        pybind11 module), a ctypes function, or the address as an int.
-      keepalive: an object that owns the function's code (e.g. the ctypes
-        library); kept for the life of the process. Defaults to `function`.
-      name: the rule's name in messages.
-
     Example:
-        >>> import ctypes, jaxdecl as jd
-        >>> lib = ctypes.CDLL(None)  # any library exporting a jaxdecl_kernel
-        >>> isinstance(jd.cfunction(ctypes.cast(lib.abs, ctypes.c_void_p).value), jd.CFunction)
-        True
+        >>> import ctypes, numpy as np, jaxdecl as jd
+        >>> libc = ctypes.CDLL(None)  # an address to wrap (never called here)
+        >>> kernel = jd.cfunction(ctypes.cast(libc.abs, ctypes.c_void_p).value, name="demo")
+        >>> isinstance(kernel, jd.CFunction), kernel.__name__
+        (True, 'demo')
     """
 
     def __init__(self, function, *, keepalive=None, name: str | None = None):
@@ -86,14 +80,53 @@ class CFunction:
         if error is not None:
             raise RuntimeError(f"{self.__name__}: {error}")
 
-    def register(self) -> int:
-        """Registers the kernel with the dispatcher; returns its key."""
-        return _dispatch.register_c_kernel(self.address, self.keepalive)
-
 
 def cfunction(function, *, keepalive=None, name: str | None = None) -> CFunction:
     """Wraps a C function with jaxdecl.h's ``jaxdecl_kernel`` signature as a rule.
 
-    See :class:`CFunction`.
+    XLA's handler then calls it directly on XLA's buffers, without the GIL and
+    without Python. The function receives the rule's operands and results (in
+    the order the Python rule would take them) as ``jaxdecl_buffer`` structs
+    (data pointer, dims, rank, dtype code; dense, row-major) and returns 0, or
+    non-zero after writing a message, which becomes the op's error. It must be
+    thread-safe. Under ``batch="loop"`` it is called once per batch element;
+    under ``"vectorized"`` it sees the leading batch dimensions. C kernels take
+    no instance configuration. Compile against :func:`include_dir`.
+
+    Args:
+      function: a PyCapsule holding the function pointer (from your own
+        pybind11 module), a ctypes function, or the address as an int.
+      keepalive: an object that owns the function's code (e.g. the ctypes
+        library); kept as long as the kernel is registered. Defaults to
+        `function`.
+      name: the rule's name in messages.
+
+    Returns:
+      A :class:`CFunction`, to pass to a rule decorator.
+
+    Example:
+        A ctypes callback stands in for a compiled function here (a real
+        kernel is C or C++: ``tutorials/06_cpp_extension.py`` compiles one).
+
+        >>> import ctypes, jax, numpy as np, jaxdecl as jd
+        >>> class Buffer(ctypes.Structure):  # jaxdecl_buffer, from jaxdecl.h
+        ...     _fields_ = [("data", ctypes.c_void_p), ("dims", ctypes.POINTER(ctypes.c_int64)),
+        ...                 ("rank", ctypes.c_int64), ("dtype", ctypes.c_int32)]
+        >>> KERNEL = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(Buffer), ctypes.c_int64,
+        ...                           ctypes.POINTER(Buffer), ctypes.c_int64, ctypes.c_char_p,
+        ...                           ctypes.c_int64)
+        >>> @KERNEL
+        ... def negate(inputs, n_in, outputs, n_out, message, message_size):  # 1-d int32
+        ...     view = lambda b: np.ctypeslib.as_array(
+        ...         ctypes.cast(b.data, ctypes.POINTER(ctypes.c_int32)), (b.dims[0],))
+        ...     np.negative(view(inputs[0]), out=view(outputs[0]))
+        ...     return 0
+        >>> class Negate(jd.Primitive):
+        ...     @jd.abstract
+        ...     def shapes(self, x):
+        ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+        ...     apply = jd.forward(jd.cfunction(negate))
+        >>> jax.jit(Negate())(np.arange(3, dtype=np.int32)).tolist()
+        [0, -1, -2]
     """
     return CFunction(function, keepalive=keepalive, name=name)

@@ -460,10 +460,93 @@ def _install(cls, options: dict[str, Any]):
     return cls
 
 
+_RULES_AND_OPTIONS = """
+    A class declares one op: mark its methods with the rule decorators below;
+    the op's inputs are the parameters of ``@abstract`` after ``self``
+    (``x1, x2`` here). Instances are the ops, ``Mul()(x1, x2)``; static
+    configuration (axes, flags, thread counts) is set in ``__init__``, and
+    instances with equal configuration share compiled code. The class is
+    checked when it is created: a misdeclared one raises
+    :class:`~jaxdecl.DeclarationError` naming the method and the fix.
+
+    Decorators:
+        ``@jd.abstract`` ``(self, x1, x2)``
+            Required. The outputs' shapes and dtypes from the inputs': each
+            input arrives as a ``jax.ShapeDtypeStruct``; return one, a tuple
+            of them, or a pytree of them.
+        ``@jd.forward`` ``(self, x1, x2)`` or ``(self, x1, x2, *, out)``
+            Required. The result(s), computed on read-only NumPy views of XLA's
+            buffers; the zero-copy form fills ``out`` and returns None.
+        ``@jd.jvp`` ``(self, x1, x2, dx1, dx2)``
+            Forward mode: the output tangent(s), from one tangent per
+            differentiable input. ``@jd.jvp(traceable=True)``: a rule written
+            with ``jax.numpy`` that JAX differentiates again.
+        ``@jd.vjp`` ``(self, x1, x2, ct)``
+            Reverse mode: the input cotangent(s), from one cotangent per
+            floating output. ``traceable=True`` as for ``@jvp``.
+        ``@jd.transpose`` ``(self, <nondiff inputs>, ct)``
+            A linear op's transpose: the cotangent(s) of its linear inputs. A
+            multilinear op has one ``@jd.transpose(wrt="x1")`` taking
+            ``(self, <inputs but x1>, ct)`` per differentiable input.
+        ``@jd.adjoint`` ``(self, <nondiff inputs>, y)``
+            A linear op's conjugate transpose A^H y, instead of ``@transpose``.
+        ``@jd.batch`` ``(self, args, axes)``
+            ``vmap`` at trace time, on JAX values: returns
+            ``(outputs, out_axes)``. Without it, ``batch=`` decides.
+        ``@jd.sharding`` ``(self, x1, x2)``
+            The sharding declaration as a method, from the inputs' shapes:
+            returns a :class:`~jaxdecl.ShardingRule`.
+
+    Class options:
+        ``linear=True``
+            Linear in its differentiable inputs jointly: needs ``@transpose``
+            (or ``@adjoint``) and no ``@jvp``/``@vjp``; every derivative order
+            follows.
+        ``multilinear=True``
+            Linear in each differentiable input separately (``x1 * x2``): one
+            ``@transpose(wrt=...)`` per differentiable input.
+        ``nondiff=("theta", ...)``
+            Inputs never differentiated (coordinates, geometry); integer and
+            bool inputs never are anyway.
+        ``batch="loop"`` (default) or ``batch="vectorized"``
+            How ``vmap`` reaches the NumPy rules when there is no ``@batch``:
+            once per batch element inside one XLA call, or once with leading
+            batch dims on every input and output.
+        ``sharding="b n, n -> b n"``
+            How the forward's dims relate, one factor name per dim: the rules
+            may run per device on slices along each named factor. Verify every
+            declaration with :func:`~jaxdecl.check`.
+        ``replicate=("n",)``
+            Factors the rules need whole (gathered first when split).
+        ``reduce=("k",)``
+            Factors the rules sum over (partial results are added up).
+"""
+
+
 class PrimitiveMeta(type):
     """Metaclass of :class:`Primitive`: collects and validates the rules at class creation.
 
-    Options arrive as class keywords: ``class Op(jd.Primitive, linear=True)``.
+    Options arrive as class keywords, ``class Op(jd.Primitive, linear=True)``,
+    and a subclass inherits its parent's rules and options (a new
+    ``sharding=`` replaces the parent's ``replicate=``/``reduce=`` too).
+    Classes that have a metaclass of their own use :func:`primitive` instead.
+
+    Example:
+        >>> import jax, jaxdecl as jd
+        >>> class Double(jd.Primitive):
+        ...     @jd.abstract
+        ...     def shapes(self, x):
+        ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+        ...     @jd.forward
+        ...     def apply(self, x):
+        ...         return 2 * x
+        >>> type(Double) is jd.PrimitiveMeta
+        True
+        >>> class Quadruple(Double):  # rules are inherited; a method override keeps its role
+        ...     def apply(self, x):
+        ...         return 4 * x
+        >>> float(Quadruple()(1.0))
+        4.0
     """
 
     def __new__(mcls, name, bases, namespace, **options):
@@ -488,8 +571,14 @@ class PrimitiveMeta(type):
 
 
 class Primitive(metaclass=PrimitiveMeta):
-    """Base class of jaxdecl primitives: subclass it and decorate methods.
+    __jaxdecl_base__ = True
+    __call__ = _op_call
 
+
+Primitive.__doc__ = """Base class of jaxdecl primitives: subclass it and decorate methods.
+
+    Options are class keywords: ``class Scale(jd.Primitive, linear=True)``.
+""" + _RULES_AND_OPTIONS + """
     Example:
         >>> import jax, jax.numpy as jnp, numpy as np, jaxdecl as jd
         >>> class Mul(jd.Primitive):
@@ -499,35 +588,18 @@ class Primitive(metaclass=PrimitiveMeta):
         ...     @jd.forward
         ...     def apply(self, x1, x2, *, out):
         ...         np.multiply(x1, x2**2, out=out)
-        >>> Mul()(jnp.ones(2), jnp.full(2, 3.0)).tolist()
+        ...     @jd.vjp
+        ...     def pull(self, x1, x2, ct):
+        ...         return x2**2 * ct, 2 * x1 * x2 * ct
+        >>> mul = Mul()
+        >>> mul(jnp.ones(2), jnp.full(2, 3.0)).tolist()
+        [9.0, 9.0]
+        >>> jax.grad(lambda a: mul(a, jnp.full(2, 3.0)).sum())(jnp.ones(2)).tolist()
         [9.0, 9.0]
     """
 
-    __jaxdecl_base__ = True
-    __call__ = _op_call
-
 
 def primitive(cls=None, **options):
-    """Class decorator form of :class:`Primitive`, for classes with their own base or metaclass.
-
-    Adds ``__call__`` and leaves the class's metaclass alone, so it works on
-    ``equinox.Module`` or ``nifty.re.Model`` subclasses. Options as keywords:
-    ``@jd.primitive(linear=True)``.
-
-    Example:
-        >>> import jax, numpy as np, jaxdecl as jd
-        >>> @jd.primitive
-        ... class Half:
-        ...     @jd.abstract
-        ...     def shapes(self, x):
-        ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
-        ...     @jd.forward
-        ...     def apply(self, x):
-        ...         return x / 2
-        >>> float(Half()(3.0))
-        1.5
-    """
-
     def decorate(klass):
         if not isinstance(klass, type):
             raise TypeError(f"@jd.primitive decorates a class, got {klass!r}")
@@ -541,6 +613,39 @@ def primitive(cls=None, **options):
         return _install(klass, options)
 
     return decorate if cls is None else decorate(cls)
+
+
+primitive.__doc__ = """The class decorator form of :class:`Primitive`: for any class, any metaclass.
+
+    Adds ``__call__`` and leaves the class's metaclass alone, so it works on
+    plain classes, ``equinox.Module`` and ``nifty.re.Model`` subclasses (which
+    cannot also take :class:`Primitive`'s metaclass). Options are the
+    decorator's arguments: ``@jd.primitive(linear=True)``; without options,
+    ``@jd.primitive`` alone.
+""" + _RULES_AND_OPTIONS + """
+    Example:
+        >>> import equinox as eqx, jax, numpy as np, jaxdecl as jd
+        >>> @jd.primitive(nondiff=("coords",))
+        ... class Sample(eqx.Module):
+        ...     order: int = 1  # a field of the module: the op's configuration
+        ...     @jd.abstract
+        ...     def shapes(self, values, coords):
+        ...         return jax.ShapeDtypeStruct(coords.shape, values.dtype)
+        ...     @jd.forward
+        ...     def apply(self, values, coords):
+        ...         return values[coords.astype(int)]
+        ...     @jd.vjp
+        ...     def pull(self, values, coords, ct):
+        ...         grad = np.zeros_like(values)
+        ...         np.add.at(grad, coords.astype(int), ct)
+        ...         return grad
+        >>> op = Sample()
+        >>> op(jax.numpy.arange(4.0), jax.numpy.array([3.0, 1.0])).tolist()
+        [3.0, 1.0]
+        >>> jax.grad(lambda v: op(v, jax.numpy.array([3.0, 3.0])).sum())(
+        ...     jax.numpy.zeros(4)).tolist()
+        [0.0, 0.0, 0.0, 2.0]
+    """
 
 
 

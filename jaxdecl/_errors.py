@@ -21,19 +21,97 @@ __all__ = ["DeclarationError", "RuleError", "BufferEscapeError", "MissingRuleErr
 
 
 class DeclarationError(TypeError):
-    """A jaxdecl class is declared wrongly (raised when the class is created)."""
+    """A jaxdecl class is declared wrongly.
+
+    Raised when the class is created (a missing rule, a signature that does
+    not fit the inputs, conflicting options), or, for the parts of a rule's
+    signature that depend on the inputs' dtypes (how many tangents a ``@jvp``
+    takes), when the rule is first traced. The message names the class, the
+    method and the fix.
+
+    Example:
+        >>> import jax, jaxdecl as jd
+        >>> try:
+        ...     class Half(jd.Primitive):
+        ...         @jd.forward
+        ...         def apply(self, x):
+        ...             return x / 2
+        ... except jd.DeclarationError as error:
+        ...     print(error)
+        Half has no @jd.abstract method; every primitive needs `@jd.abstract def
+        shapes(self, ...)` returning jax.ShapeDtypeStruct(s)
+    """
 
 
 class MissingRuleError(NotImplementedError):
-    """A transformation needs a rule the class does not declare."""
+    """A transformation needs a rule the class does not declare.
+
+    Raised while tracing, before any rule runs, naming the decorator to add.
+
+    Example:
+        >>> import jax, jaxdecl as jd
+        >>> class Square(jd.Primitive):
+        ...     @jd.abstract
+        ...     def shapes(self, x):
+        ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+        ...     @jd.forward
+        ...     def apply(self, x):
+        ...         return x * x
+        >>> try:
+        ...     jax.grad(Square())(3.0)
+        ... except jd.MissingRuleError as error:
+        ...     print(str(error).split(":")[0])
+        Square has no @vjp
+    """
 
 
 class RuleError(ValueError):
-    """A rule returned something that does not match what was declared."""
+    """A rule returned something that does not match what was declared.
+
+    A shape, dtype, count or pytree structure that differs from ``@abstract``
+    (or from the inputs, for a cotangent), or a zero-copy rule that returned a
+    value. Under ``jax.jit`` it reaches the caller inside JAX's runtime error.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jaxdecl as jd
+        >>> class Short(jd.Primitive):
+        ...     @jd.abstract
+        ...     def shapes(self, x):
+        ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+        ...     @jd.forward
+        ...     def apply(self, x):
+        ...         return x[1:]
+        >>> try:
+        ...     Short()(jnp.ones(3))
+        ... except jd.RuleError as error:
+        ...     print(error)
+        Short.apply (@forward) returned shape (2,) for output, but @abstract declared (3,)
+    """
 
 
 class BufferEscapeError(RuntimeError):
-    """A rule kept a reference to an XLA buffer view after it returned."""
+    """A rule kept a reference to an XLA buffer view after it returned.
+
+    Inputs and ``out`` are views of XLA's buffers, which XLA frees or reuses
+    after the call: a rule must copy what it keeps (``np.array(x)``).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jaxdecl as jd
+        >>> kept = []
+        >>> class Leaky(jd.Primitive):
+        ...     @jd.abstract
+        ...     def shapes(self, x):
+        ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+        ...     @jd.forward
+        ...     def apply(self, x):
+        ...         kept.append(x)  # a view of XLA's buffer: must be a copy
+        ...         return x + 1
+        >>> try:
+        ...     Leaky()(jnp.ones(2))
+        ... except jd.BufferEscapeError as error:
+        ...     print(str(error).split(" after")[0])
+        Leaky.apply (@forward) kept a reference to x
+    """
 
 
 # The mark carries a per-process nonce so that text a rule happens to print

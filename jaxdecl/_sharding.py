@@ -2,9 +2,10 @@
 
 An op declares how the dims of its forward's inputs and results relate, in
 the einsum-like factor syntax of ``custom_partitioning``'s ``sharding_rule``:
-``sharding="b k, k -> b"``. One name per dim; a name is a *factor*. A factor is independent (the rules may run on any slice along it)
-unless listed in ``replicate=`` (the rules need it whole) or ``reduce=`` (the
-rules sum over it: partial results are added up across devices).
+``sharding="b k, k -> b"``. One name per dim; a name is a *factor*. A factor
+is independent (the rules may run on any slice along it) unless listed in
+``replicate=`` (the rules need it whole) or ``reduce=`` (the rules sum over it:
+partial results are added up across devices).
 
 This module has one job: from a declaration, a rule kind and the shapes of
 one equation (``primals`` and ``batch``), name the factor of every dim of

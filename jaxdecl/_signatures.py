@@ -280,8 +280,11 @@ def check_traced(spec, layout, rule_kind: str, wrt: int, io) -> None:
                if any(layout.float_out[s] for s in g.slots)]
     cts = ["ct"] if len(outputs) == 1 else [f"ct{k}" for k in outputs]
     ints = [p for p in without if p not in spec.nondiff]
-    int_note = (f"; {', '.join(ints)} {'is an integer input' if len(ints) == 1 else 'are integer inputs'}"
-                f" here, which take{'s' if len(ints) == 1 else ''} no tangent" if ints else "")
+    int_note = ""
+    if ints:
+        int_note = (f"; {', '.join(ints)} is an integer input here, which takes no tangent"
+                    if len(ints) == 1 else
+                    f"; {', '.join(ints)} are integer inputs here, which take no tangent")
     if rule_kind == JVP:
         expected = list(spec.params) + ["d" + p for p in with_tangent]
         why = (f"the op's inputs ({', '.join(spec.params)}), then one tangent per input "

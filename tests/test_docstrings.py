@@ -21,3 +21,38 @@ def test_docstring_examples(name):
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name}"
+
+
+def _public_objects():
+    """The public names that are functions or classes (not data such as SUPPORTED_DTYPES)."""
+    for name in jaxdecl.__all__:
+        obj = getattr(jaxdecl, name)
+        if callable(obj):
+            yield name, obj
+
+
+@pytest.mark.parametrize("name, obj", list(_public_objects()), ids=lambda v: str(v)[:30])
+def test_every_public_name_has_an_example_that_the_doctests_run(name, obj):
+    module = importlib.import_module(obj.__module__)
+    found = {test.name: test for test in doctest.DocTestFinder().find(module)}
+    test = found.get(f"{module.__name__}.{obj.__name__}") or found.get(f"{module.__name__}.{name}")
+    assert test is not None and test.examples, f"jd.{name} has no docstring example"
+
+
+@pytest.mark.parametrize("obj", [jaxdecl.Primitive, jaxdecl.primitive], ids=["class", "decorator"])
+def test_help_lists_every_decorator_and_class_option(obj):
+    import pydoc
+
+    text = pydoc.render_doc(obj, renderer=pydoc.plaintext)
+    decorators = ["abstract", "forward", "jvp", "vjp", "transpose", "adjoint", "batch",
+                  "sharding"]
+    for decorator in decorators:
+        assert f"@jd.{decorator}`" in text, decorator
+    for option in ["linear=True", "multilinear=True", "nondiff=", 'batch="loop"',
+                   'batch="vectorized"', "sharding=", "replicate=", "reduce="]:
+        assert f"``{option}" in text, option
+    from jaxdecl._declare import _OPTIONS, RULE_KINDS
+
+    assert set(RULE_KINDS) == set(decorators)  # a new decorator must be documented here
+    assert {"linear", "multilinear", "nondiff", "batch", "sharding", "replicate",
+            "reduce"} == set(_OPTIONS)
