@@ -44,10 +44,10 @@ from ._sharding import ShardingRule
 
 __version__ = "0.1.0"
 
-#: The dtypes an op accepts and produces, by NumPy name: bool, signed and
-#: unsigned integers of 8-64 bits, float16, bfloat16 (``ml_dtypes``), float32,
-#: float64, complex64 and complex128. Any other dtype is a ``TypeError``
-#: naming the input or output.
+#: The dtypes an op accepts and produces, by NumPy name (bool, signed and
+#: unsigned integers of 8 to 64 bits, float16, bfloat16 from ``ml_dtypes``,
+#: float32, float64, complex64 and complex128). Any other dtype is a
+#: ``TypeError`` naming the input or output.
 SUPPORTED_DTYPES = _SUPPORTED
 
 _compat.hide_frames(_os.path.dirname(__file__))

@@ -64,6 +64,13 @@ def _make_decorator(kind: str, doc: str, *, traceable_ok: bool = False, wrt_ok: 
     decorator.__name__ = kind
     decorator.__qualname__ = kind
     decorator.__doc__ = doc
+    # help() and the API reference show the options this decorator takes, not all of them.
+    keywords = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
+                for name, default, ok in (("traceable", False, traceable_ok), ("wrt", None, wrt_ok))
+                if ok]
+    decorator.__signature__ = inspect.Signature(
+        [inspect.Parameter("function", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                           default=None if keywords else inspect.Parameter.empty), *keywords])
     return decorator
 
 
@@ -238,7 +245,7 @@ Example:
 sharding = _make_decorator("sharding", """Marks the method that says how the op splits on devices.
 
 It sees the inputs as ``jax.ShapeDtypeStruct`` (as ``@abstract`` does) and
-returns a :class:`jd.ShardingRule`; use it when the rule depends on the
+returns a :class:`~jaxdecl.ShardingRule`; use it when the rule depends on the
 configuration or the shapes, instead of the class options ``sharding=``,
 ``replicate=`` and ``reduce=``.
 

@@ -1,5 +1,11 @@
-# Quickstart: declare f(x1, x2) = x1 * x2**2 as a jaxdecl class and use it like any JAX function.
-# Shows the zero-copy NumPy forward rule, eager and jitted calls, and gradients from @jvp/@vjp.
+"""Quickstart.
+
+Declare f(x1, x2) = x1 * x2**2 as a jaxdecl class and use it like any JAX
+function: a zero-copy NumPy forward rule, eager and jitted calls, gradients and
+tangents from ``@jvp``/``@vjp``, and ``vmap``. Each result is printed next to
+its ``jax.numpy`` reference.
+"""
+
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,9 +1,9 @@
-# Derivatives of jaxdecl ops: @jvp/@vjp rules for a nonlinear op (traceable for hessians),
-# and @transpose for a linear FFT op, whose derivatives of every order then come for free.
-"""Tutorial 2: derivatives.
+"""Derivatives.
 
-Run with ``python tutorials/02_derivatives.py``. Each result is printed next to
-the same computation written in pure ``jax.numpy``.
+``@jvp``/``@vjp`` rules for a nonlinear op (traceable, for Hessians), and
+``@transpose`` for a linear FFT op, whose derivatives of every order then come
+for free. Each result is printed next to the same computation written in pure
+``jax.numpy``.
 """
 
 import jax

@@ -1,5 +1,10 @@
-# Tutorial 3: batching. How jax.vmap reaches your NumPy rules: batch="loop" (the default),
-# batch="vectorized", or your own @jd.batch rule that folds the batch into a native axis.
+"""Batching.
+
+How ``jax.vmap`` reaches your NumPy rules: ``batch="loop"`` (the default),
+``batch="vectorized"``, or your own ``@jd.batch`` rule that folds the batch into
+a native axis. Each op counts its rule calls, to show what each mode costs.
+"""
+
 import collections
 from typing import ClassVar
 

@@ -1,5 +1,10 @@
-# Non-differentiable inputs and static configuration: coordinates as nondiff=, integer indices,
-# and settings (order, nthreads, axis) stored on the instance, where equal settings share code.
+"""Non-differentiable inputs and configuration.
+
+Coordinates as ``nondiff=`` inputs, integer indices, and settings (order,
+thread count, axis) stored on the instance, where equal settings share compiled
+code.
+"""
+
 import concurrent.futures
 
 import jax

@@ -1,10 +1,11 @@
-"""Tutorial 5: DUCC's FFT and spherical-harmonic transforms as JAX primitives.
-The ready-made linear ops of ``jaxdecl.contrib.ducc`` jit, vmap and differentiate like jax.numpy.
+"""DUCC transforms.
 
-Run: ``python tutorials/05_ducc.py`` (needs ``pip install ducc0``; matplotlib optional).
-Look at: the printed differences (all near machine precision), the two dot-product
-checks ⟨ct, A x⟩ = ⟨Aᵀ ct, x⟩, and ``ducc_map.png`` (a random sky recovered by gradient
-descent through the spherical-harmonic synthesis).
+DUCC's FFT and spherical-harmonic transforms as JAX primitives: the ready-made
+linear ops of ``jaxdecl.contrib.ducc`` jit, vmap and differentiate like
+``jax.numpy`` (needs ``pip install ducc0``; matplotlib optional). Look at the
+printed differences (all near machine precision), the two dot-product checks
+⟨ct, A x⟩ = ⟨Aᵀ ct, x⟩, and ``ducc_map.png``: a random sky recovered by gradient
+descent through the spherical-harmonic synthesis.
 """
 
 import ducc0

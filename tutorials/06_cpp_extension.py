@@ -1,5 +1,12 @@
-# Wrapping your own C++: compile tutorials/cpp/saxpy.cpp into a shared library, load it with
-# ctypes, and call it from jaxdecl rules on XLA's buffers (zero copy) under jit, grad and vmap.
+"""Wrapping your own C++.
+
+Compile ``tutorials/cpp/saxpy.cpp`` into a shared library, load it with
+``ctypes``, and call it from jaxdecl rules on XLA's buffers (zero copy) under
+``jit``, ``grad`` and ``vmap``. The rules stay Python methods that hand data
+pointers to C++; a rule can also be a C function that XLA calls without Python
+(``jd.cfunction``).
+"""
+
 import ctypes
 import os
 import pathlib

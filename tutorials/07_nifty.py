@@ -1,5 +1,10 @@
-# NIFTy: a DUCC spherical-harmonic synthesis, declared with jaxdecl, inside a nifty.re sky model.
-# Builds a log-normal HEALPix sky, infers it from noisy data with nifty.re.optimize_kl, plots it.
+"""NIFTy.
+
+A DUCC spherical-harmonic synthesis, declared with jaxdecl, inside a
+``nifty.re`` sky model: builds a log-normal HEALPix sky, infers it from noisy
+data with ``nifty.re.optimize_kl`` and plots the posterior mean.
+"""
+
 from functools import partial
 from typing import Any
 

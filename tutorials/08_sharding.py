@@ -1,6 +1,11 @@
-# Sharding: declare once how an op splits (sharding=, replicate=, reduce=) and it runs per shard
-# under jit, with gradients, inside shard_map and with explicit mesh axes; XLA gathers nothing.
-# Runs on 4 host CPU devices, which it asks XLA for below (before JAX is imported).
+"""Sharding.
+
+Declare once how an op splits (``sharding=``, ``replicate=``, ``reduce=``) and
+it runs per shard under ``jit``, with gradients, inside ``shard_map`` and with
+explicit mesh axes; XLA gathers nothing. Runs on 4 host CPU devices, which it
+asks XLA for below (before JAX is imported).
+"""
+
 import os
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):

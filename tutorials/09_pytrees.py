@@ -1,9 +1,9 @@
-# Pytrees in and out: a SciPy cKDTree nearest-neighbour query whose parameters arrive as a dict
-# and whose outputs are (distance: float, index: int); eager, jit, grad wrt the dict, vmap over a
-# batch of dicts, jd.check, and the error when a rule returns the wrong structure.
-"""Tutorial 9: pytrees.
+"""Pytrees.
 
-Run with ``python tutorials/09_pytrees.py``. Any argument of an op may be a
+A SciPy ``cKDTree`` nearest-neighbour query whose parameters arrive as a dict
+and whose outputs are (distance: float, index: int): eager, ``jit``, ``grad``
+with respect to the dict, ``vmap`` over a batch of dicts, ``jd.check``, and the
+error when a rule returns the wrong structure. Any argument of an op may be a
 pytree of arrays (dict, tuple, list, NamedTuple, registered dataclass); every
 rule receives the same structure with NumPy arrays at the leaves, and
 ``@abstract`` returns the output structure. Each result is compared with a

@@ -1,0 +1,67 @@
+"""The documentation's examples run, and the repository refers to nothing outside itself.
+
+Every Python block of ``docs/`` that starts with an import is a complete example
+(the convention of the README): it runs here, in a fresh namespace. The site
+itself is built by ``.ci/run`` (``sphinx-build -W -n``), which also runs the
+tutorials and checks every link.
+"""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import subprocess_env
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+PAGES = sorted(p for p in DOCS.rglob("*.md")
+               if "_build" not in p.parts and not re.match(r"\d\d_", p.name))
+
+
+def _blocks():
+    for page in PAGES:
+        for index, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S)):
+            if code.startswith("import"):
+                yield pytest.param(code, id=f"{page.relative_to(DOCS)}#{index}")
+
+
+@pytest.mark.parametrize("code", list(_blocks()))
+def test_docs_example_runs(code):
+    for library in re.findall(r"^import (ducc0|jaxbind|scipy|equinox)", code, re.M):
+        pytest.importorskip(library)
+    # A fresh interpreter: examples set jax options and define classes freely.
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300, env=subprocess_env(), cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_docs_have_examples_and_pages():
+    assert len(list(_blocks())) >= 20
+    names = {p.relative_to(DOCS).as_posix() for p in PAGES}
+    for page in ["index.md", "getting-started.md", "troubleshooting.md", "api.md",
+                 "coming-from-jaxbind.md", "coming-from-custom-vjp.md", "tutorials/index.md"]:
+        assert page in names, page
+    for concept in ["declaring", "derivatives", "batching", "pytrees", "sharding", "residuals",
+                    "c-kernels", "errors-and-debugging", "performance"]:
+        assert f"concepts/{concept}.md" in names, concept
+
+
+def _repository_files():
+    skip = {".git", ".venv", "build", "_build", "__pycache__", ".pytest_cache"}
+    for path in ROOT.rglob("*"):
+        if path.is_file() and not skip & set(path.relative_to(ROOT).parts) and \
+                path.suffix in {".py", ".md", ".txt", ".toml", ".cfg", ".h", ".cc", ".cpp",
+                                ".pyi", ".css", ".yml", ".yaml", ""}:
+            yield path
+
+
+def test_no_file_refers_to_documents_outside_the_repository():
+    # Spelled in pieces, so that this file does not match itself.
+    forbidden = ["API" + ".md", "../" + "shared", "FACTS" + ".md", "STYLE" + ".md"]
+    found = []
+    for path in _repository_files():
+        text = path.read_text(errors="replace")
+        found += [f"{path.relative_to(ROOT)}: {word}" for word in forbidden if word in text]
+    assert not found, found
