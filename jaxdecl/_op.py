@@ -221,8 +221,11 @@ class OpHandle:
                                          (), in_shapes)
         axis_sizes = dict(mesh.shape)
         io = op.rule_io(primals, FORWARD, -1)
-        p = _partition.plan(factors, specs, axis_sizes, strict=_compat.has_explicit_axes(mesh),
+        explicit = _compat.has_explicit_axes(mesh)
+        p = _partition.plan(factors, specs, axis_sizes, strict=explicit,
                             describe=lambda *where: refusal(op, io, FORWARD, *where))
+        if explicit:
+            _partition.check_explicit_sums(self.spec.name, p)
         local_primals, _, local_in = _partition.shard_equation(
             op, FORWARD, -1, primals, (), factors, p, axis_sizes, in_shapes,
             [shape for shape, _ in layout.outputs])

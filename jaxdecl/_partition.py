@@ -33,6 +33,7 @@ import dataclasses
 import itertools
 import math
 import secrets
+import warnings
 
 from . import _compat, _layout, _runtime
 from ._errors import RuleError
@@ -132,6 +133,40 @@ def sdy_rule(factors):
         tuple(mapping(*(names[f] for f in v)) for v in factors.operands),
         tuple(mapping(*(names[f] for f in v)) for v in factors.results),
         reduction_factors=reduction, need_replication_factors=replicate)
+
+
+_warned: set = set()
+
+
+def can_split(name: str) -> bool:
+    """True when this JAX can run a declared op per shard under ``jit``.
+
+    Otherwise warns once per op (naming what it needs) and the op gathers its
+    inputs, which is correct, only not split.
+    """
+    if _compat.SPLITS_PER_SHARD and _compat.shardy_enabled():
+        return True
+    if name not in _warned:
+        _warned.add(name)
+        need = ("JAX >= 0.7" if not _compat.SPLITS_PER_SHARD else
+                "the Shardy partitioner (jax.config.update('jax_use_shardy_partitioner', True))")
+        warnings.warn(
+            f"{name} declares how it splits across devices, but running it per shard needs "
+            f"{need} (this is JAX {_compat.JAX_VERSION_TEXT}); XLA gathers its inputs instead, and "
+            f"every device runs the rule on the whole arrays", RuntimeWarning, stacklevel=2)
+    return False
+
+
+def check_explicit_sums(name: str, p: Plan) -> None:
+    """Raises when a plan over Explicit mesh axes sums partial results on a JAX that cannot."""
+    summed = sorted({axis for axes in p.summed for axis in axes})
+    if summed and not _compat.EXPLICIT_REDUCTIONS:
+        raise _compat.ShardingTypeError(
+            f"{name}: its inputs are split along a factor it sums over (reduce=, or a "
+            f"cotangent of an input without that factor) on Explicit mesh axes {summed}; "
+            f"adding the partial results there needs JAX >= 0.9 (this is JAX "
+            f"{_compat.JAX_VERSION_TEXT}). Reshard the inputs whole along that factor "
+            f"first, or use mesh axes of type Auto")
 
 
 def wants_partitioning(ctx) -> bool:

@@ -93,7 +93,7 @@ def _abstract_eval(*avals, op, rule, wrt, primals, batch):
     mesh = _mesh_of(avals)
     if mesh is None:
         return [ShapedArray(shape, dtype) for shape, dtype in shapes]
-    if mesh.are_all_axes_manual:  # inside shard_map: results vary as the operands do
+    if _compat.all_axes_manual(mesh):  # inside shard_map: results vary as the operands do
         varying = _compat.vma_of(jaxdecl_p.name, avals)
         return [_compat.sharded_aval(shape, dtype, mesh, (None,) * len(shape), varying)
                 for shape, dtype in shapes]
@@ -107,6 +107,7 @@ def _abstract_eval(*avals, op, rule, wrt, primals, batch):
                                      tuple(tuple(a.shape) for a in avals))
     plan = _partition.plan(factors, specs, dict(mesh.shape), strict=True,
                            describe=lambda *where: refusal(op, io, rule, *where))
+    _partition.check_explicit_sums(op.spec.name, plan)
     return [_compat.sharded_aval(shape, dtype, mesh, spec)
             for (shape, dtype), spec in zip(shapes, plan.result_specs)]
 
@@ -148,7 +149,7 @@ def _lowering(ctx, *args, op, rule, wrt, primals, batch):
     in_shapes = tuple(tuple(aval.shape) for aval in ctx.avals_in)
     if _partition.wants_partitioning(ctx):
         resolved = op.sharding(primals)
-        if resolved is not None:
+        if resolved is not None and _partition.can_split(op.spec.name):
             factors = _sharding.rule_factors(resolved, op.layout(primals), rule, wrt, batch,
                                              in_shapes)
             return _partition.lower(ctx, args, op=op, rule=rule, wrt=wrt, primals=primals,

@@ -10,12 +10,13 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import subprocess_env
+from conftest import needs_split, subprocess_env
 
 import jaxdecl as jd
 
@@ -129,6 +130,7 @@ def _scenario(name: str) -> dict:
     return json.loads(lines[-1])["checks"]
 
 
+@needs_split
 @pytest.mark.parametrize("scenario", ["automatic", "explicit"])
 def test_multi_device(scenario):
     checks = _scenario(scenario)
@@ -145,6 +147,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@needs_split
 def test_two_processes():
     """A 4-device mesh over 2 processes (jax.distributed, gloo): each runs its own shards."""
     port = str(_free_port())
@@ -230,3 +233,37 @@ def test_check_rejects_a_wrong_declaration_naming_class_and_factor(op, factor, k
     with pytest.raises(AssertionError, match=rf"{name}'s sharding declaration is wrong: factor "
                                              rf"'{factor}' is declared {kind}"):
         jd.check(op, x)
+
+
+def test_where_jax_cannot_split_the_op_gathers_with_one_warning(monkeypatch):
+    """On a JAX without Shardy's replication and reduction factors (< 0.7), or with Shardy
+    off, a declared op stays correct under jit, gathers, and says so once."""
+    from jaxdecl import _compat
+
+    monkeypatch.setattr(_compat, "SPLITS_PER_SHARD", False)
+    op = _op("NeedsNewerJax", sharding="b n, k -> b n", reduce=("k",))()
+    devices = jax.devices()[:2]
+    mesh = jax.sharding.Mesh(np.array(devices), ("d",),
+                             axis_types=(jax.sharding.AxisType.Auto,))
+    x = jax.device_put(jnp.arange(6.0).reshape(2, 3),
+                       jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
+    y = jnp.arange(4.0)
+    with pytest.warns(RuntimeWarning, match=r"NeedsNewerJax .*needs JAX >= 0\.7 \(this is JAX"):
+        text = jax.jit(op).lower(x, y).as_text()
+    assert "CustomSPMDPartitioning" not in text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per op: the second program says nothing
+        out = jax.jit(lambda a, b: op(a, b) * 1.0)(x, y)
+    np.testing.assert_allclose(out, np.arange(6.0).reshape(2, 3) * 6.0)  # x * sum(y)
+
+
+def test_explicit_sums_name_the_jax_they_need(monkeypatch):
+    from jaxdecl import _compat, _partition
+
+    monkeypatch.setattr(_compat, "EXPLICIT_REDUCTIONS", False)
+    summing = _partition.Plan({"k": ("d",)}, ((None, "d"),), ((None,),), (("d",),))
+    with pytest.raises(_compat.ShardingTypeError, match=r"MatVec: .*needs JAX >= 0\.9 \(this is"):
+        _partition.check_explicit_sums("MatVec", summing)
+    _partition.check_explicit_sums("MatVec", _partition.Plan({}, ((None,),), ((None,),), ((),)))
+    monkeypatch.setattr(_compat, "EXPLICIT_REDUCTIONS", True)
+    _partition.check_explicit_sums("MatVec", summing)
