@@ -198,69 +198,19 @@ class OpHandle:
 
 
     def sharded_eager_call(self, instance, operands: list, primals: tuple):
-        """The forward ready to run eagerly on operands sharded over one mesh, or None.
+        """``(call, pin)``: the forward ready to run now, per shard, or None.
 
-        Each device runs the kernel on its blocks (the declaration's plan for
-        the operands' shardings), through an executable shared by every op of
-        the same per-shard signature: nothing compiles per configuration, and
-        a rule's exception reaches the caller as itself. None when the
-        operands' shardings name no common mesh (jit then decides).
+        See :func:`jaxdecl._partition.eager_call`; here the results come back
+        as ``@abstract`` declared them (one array, a tuple, pytrees).
         """
-        mesh, specs = _common_mesh(operands)
-        if mesh is None:
-            return None
-        key = (primals, mesh, specs)
-        call = self.sharded_calls.get(key)
-        pin = call.kernel.pin() if call is not None else None
-        if pin is not None:
-            return call, pin
-        op = BoundOp(self, instance)
         layout = self.layout(primals, instance)
-        in_shapes = tuple(tuple(x.shape) for x in operands)
-        factors = _sharding.rule_factors(self.sharding(primals, instance), layout, FORWARD, -1,
-                                         (), in_shapes)
-        axis_sizes = dict(mesh.shape)
-        io = op.rule_io(primals, FORWARD, -1)
-        explicit = _compat.has_explicit_axes(mesh)
-        p = _partition.plan(factors, specs, axis_sizes, strict=explicit,
-                            describe=lambda *where: refusal(op, io, FORWARD, *where))
-        if explicit:
-            _partition.check_explicit_sums(self.spec.name, p)
-        local_primals, _, local_in = _partition.shard_equation(
-            op, FORWARD, -1, primals, (), factors, p, axis_sizes, in_shapes,
-            [shape for shape, _ in layout.outputs])
-        kernel, pin = self.kernel(instance, FORWARD, -1, local_primals, (), local_in)
-        local_outputs = tuple(self.layout(local_primals, instance).outputs)
-        caller = _eager.sharded_executable(mesh, p.operand_specs, p.result_specs, p.summed,
-                                           local_outputs)
+        rebuilt = None
         if layout.structured:
-            call = _eager.Call(kernel, local_outputs, False, caller=caller,
-                               rebuild=lambda outs, groups=layout.out_groups,
-                               single=layout.single_output: rebuild(groups, single, outs))
-        else:
-            call = _eager.Call(kernel, local_outputs, layout.single_output, caller=caller)
-        self.sharded_calls[key] = call
-        return call, pin
-
-
-def _common_mesh(operands) -> tuple:
-    """``(mesh, specs)``: the one mesh the operands are sharded over, and their specs.
-
-    Operands without a NamedSharding (NumPy values, scalars) count as whole.
-    ``(None, None)`` when no operand has a mesh or two have different meshes.
-    """
-    mesh, specs = None, []
-    for x in operands:
-        sharding = getattr(x, "sharding", None)
-        if isinstance(sharding, _compat.NamedSharding):
-            if mesh is not None and sharding.mesh != mesh:
-                return None, None
-            mesh = sharding.mesh
-            spec = tuple(sharding.spec)
-            specs.append(spec + (None,) * (x.ndim - len(spec)))
-        else:
-            specs.append((None,) * x.ndim)
-    return mesh, tuple(specs)
+            rebuilt = lambda outs, groups=layout.out_groups, single=layout.single_output: \
+                rebuild(groups, single, outs)  # noqa: E731
+        return _partition.eager_call(
+            BoundOp(self, instance), FORWARD, -1, primals, (), operands, describe=refusal,
+            single=layout.single_output and not layout.structured, rebuild=rebuilt)
 
 
 class BoundOp:
@@ -551,11 +501,6 @@ def bind_forward(op: BoundOp, args) -> object:
     return outs[0] if layout.single_output else tuple(outs)
 
 
-def _spans_devices(args) -> bool:
-    return any(getattr(getattr(a, "sharding", None), "num_devices", 1) > 1
-               for a in jax.tree_util.tree_leaves(args))
-
-
 def _sharded_eager(handle: OpHandle, instance, args):
     """Runs a declared op now, per shard, on arguments that span several devices."""
     operands, primals = flatten_inputs(handle.spec, args)
@@ -605,7 +550,7 @@ def apply_op(instance, args: tuple, kwargs: dict):
         args = _arguments(spec, args, kwargs)
     if not _compat.not_tracing():
         return bind_forward(BoundOp(handle, instance), args)
-    if handle.declares_sharding and _spans_devices(args):
+    if handle.declares_sharding and _partition.spans_devices(args):
         # The shared single-device executable would gather; this runs per shard.
         return _sharded_eager(handle, instance, args)
     try:

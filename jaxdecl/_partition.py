@@ -35,7 +35,9 @@ import math
 import secrets
 import warnings
 
-from . import _compat, _layout, _runtime
+import jax
+
+from . import _compat, _eager, _layout, _runtime, _sharding
 from ._errors import RuleError
 
 
@@ -278,6 +280,77 @@ def shard_equation(op, rule, wrt, primals, batch, factors, p: Plan, axis_sizes: 
                 f"{[s for s, _ in _layout.primal_leaves(local_primals)]}); the declaration "
                 f"does not match the op's shapes")
     return local_primals, local_batch, local_in
+
+
+def common_mesh(operands) -> tuple:
+    """``(mesh, specs)``: the one mesh the operands are sharded over, and their specs.
+
+    Operands without a NamedSharding (NumPy values, scalars) count as whole.
+    ``(None, None)`` when no operand has a mesh or two have different meshes.
+    """
+    mesh, specs = None, []
+    for x in operands:
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, _compat.NamedSharding):
+            if mesh is not None and sharding.mesh != mesh:
+                return None, None
+            mesh = sharding.mesh
+            spec = tuple(sharding.spec)
+            specs.append(spec + (None,) * (x.ndim - len(spec)))
+        else:
+            specs.append((None,) * x.ndim)
+    return mesh, tuple(specs)
+
+
+def eager_call(op, rule, wrt, primals, batch, operands, *, describe, single=False,
+               rebuild=None):
+    """``(call, pin)``: one rule of a declared op ready to run now, per shard, or None.
+
+    For operands sharded over one mesh, outside any trace (an eager call, an
+    un-jitted ``jax.grad``): each device runs the kernel on its blocks, as the
+    declaration's plan for the operands' shardings says, through an executable
+    shared by every op with the same per-shard signature (nothing compiles
+    per configuration), and a rule's exception reaches the caller as itself.
+    None when the operands name no common mesh. `describe(op, io, rule, ...)`
+    words a sharding Explicit axes cannot take. Calls are cached on the op's
+    handle; hold `pin` while the call runs.
+    """
+    mesh, specs = common_mesh(operands)
+    if mesh is None:
+        return None
+    cache = op.handle.sharded_calls
+    key = (rule, wrt, primals, batch, mesh, specs)
+    call = cache.get(key)
+    pin = call.kernel.pin() if call is not None else None
+    if pin is not None:
+        return call, pin
+    in_shapes = tuple(tuple(x.shape) for x in operands)
+    factors = _sharding.rule_factors(op.sharding(primals), op.layout(primals), rule, wrt,
+                                     batch, in_shapes)
+    axis_sizes = dict(mesh.shape)
+    io = op.rule_io(primals, rule, wrt)
+    explicit = _compat.has_explicit_axes(mesh)
+    p = plan(factors, specs, axis_sizes, strict=explicit,
+             describe=lambda *where: describe(op, io, rule, *where))
+    if explicit:
+        check_explicit_sums(op.spec.name, p)
+    local_primals, local_batch, local_in = shard_equation(
+        op, rule, wrt, primals, batch, factors, p, axis_sizes, in_shapes,
+        [tuple(batch) + tuple(shape) for shape, _ in io.out_avals])
+    kernel, pin = op.kernel(rule, wrt, local_primals, local_batch, local_in)
+    local_out = tuple((tuple(local_batch) + tuple(shape), dtype)
+                      for shape, dtype in op.rule_io(local_primals, rule, wrt).out_avals)
+    caller = _eager.sharded_executable(mesh, p.operand_specs, p.result_specs, p.summed,
+                                       local_out)
+    call = _eager.Call(kernel, local_out, single, rebuild=rebuild, caller=caller)
+    cache[key] = call
+    return call, pin
+
+
+def spans_devices(values) -> bool:
+    """True when some array among `values` (a pytree) lives on several devices."""
+    return any(getattr(getattr(a, "sharding", None), "num_devices", 1) > 1
+               for a in jax.tree_util.tree_leaves(values))
 
 
 def _spec_of(struct) -> tuple:

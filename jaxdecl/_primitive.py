@@ -76,9 +76,16 @@ def _impl(*args, op, rule, wrt, primals, batch):
     if traceable is not None:
         return broadcast_vmapped(traceable, batch, len(args))(*args)
     op.user_rule(rule, wrt)  # raises MissingRuleError before anything runs
-    in_shapes = tuple(tuple(np.shape(x)) for x in args)
-    kernel, pin = op.kernel(rule, wrt, primals, batch, in_shapes)
-    call = _eager.Call(kernel, _out_avals(op, rule, wrt, primals, batch), single=False)
+    found = None
+    if op.handle.declares_sharding and _partition.spans_devices(args):
+        # Sharded operands (an un-jitted grad of a sharded array): per shard.
+        found = _partition.eager_call(op, rule, wrt, primals, batch, args, describe=refusal)
+    if found is not None:
+        call, pin = found
+    else:
+        in_shapes = tuple(tuple(np.shape(x)) for x in args)
+        kernel, pin = op.kernel(rule, wrt, primals, batch, in_shapes)
+        call = _eager.Call(kernel, _out_avals(op, rule, wrt, primals, batch), single=False)
     results = _eager.run(call, args)
     del pin  # held until here: the kernel's op stays alive for the call
     return list(results)

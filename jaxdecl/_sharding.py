@@ -109,11 +109,10 @@ class ShardingRule:
 
         self.rule = rule
         self.operands = values(left)
-        self.results = values(right)
+        # Nothing after '->' is one 0-d result (a dot product: "n, n -> ").
+        self.results = values(right) or ((),)
         self.replicate = _names(replicate, "replicate", owner)
         self.reduce = _names(reduce, "reduce", owner)
-        if not self.results:
-            raise DeclarationError(f"{owner}: sharding rule {rule!r} names no results")
         used_in = set(f for v in self.operands for f in v if f != _ELLIPSIS)
         used_out = set(f for v in self.results for f in v if f != _ELLIPSIS)
         for what, names in (("replicate", self.replicate), ("reduce", self.reduce)):
