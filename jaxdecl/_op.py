@@ -550,9 +550,11 @@ def apply_op(instance, args: tuple, kwargs: dict):
         args = _arguments(spec, args, kwargs)
     if not _compat.not_tracing():
         return bind_forward(BoundOp(handle, instance), args)
-    if handle.declares_sharding and _partition.spans_devices(args):
-        # The shared single-device executable would gather; this runs per shard.
-        return _sharded_eager(handle, instance, args)
+    if _partition.spans_devices(args):
+        if handle.declares_sharding:
+            # The shared single-device executable would gather; this runs per shard.
+            return _sharded_eager(handle, instance, args)
+        args = _partition.onto_one_device(args)  # once, not once per device
     try:
         call = handle.eager_calls[tuple([(a.shape, a.dtype) for a in args])]
         pin = call.kernel.pin()  # held until the call returns: the kernel's op stays alive

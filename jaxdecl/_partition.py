@@ -192,37 +192,98 @@ class _Held:
 
 def lower(ctx, args, *, op, rule, wrt, primals, batch, factors, bind):
     """Lowers one equation as a ``custom_partitioning`` call (see the module docstring)."""
-    spec = op.spec
+    operand_shapes = [tuple(a.shape) for a in ctx.avals_in]
+    result_avals = list(ctx.avals_out)
+
+    def per_shard(mesh, arg_shapes, result_shape, held):
+        axis_sizes = dict(mesh.shape)
+        specs = [_spec_of(s) for s in arg_shapes]
+        p = plan(factors, specs, axis_sizes)
+        local_primals, local_batch, local_in = shard_equation(
+            op, rule, wrt, primals, batch, factors, p, axis_sizes, operand_shapes,
+            [tuple(a.shape) for a in result_avals])
+        held.append(_prebuilt(op, rule, wrt, local_primals, local_batch, local_in))
+        summed = p.summed
+
+        def local(*blocks):
+            outs = bind(op, rule, blocks, local_primals, local_batch, wrt)
+            return tuple(_compat.psum(o, axes) if axes else o
+                         for o, axes in zip(outs, summed))
+
+        return local, p.result_specs, p.operand_specs
+
+    return _lower_partitioned(ctx, args, op=op, rule=rule, wrt=wrt, primals=primals,
+                              batch=batch, factors=factors, bind=bind, per_shard=per_shard)
+
+
+def lower_once(ctx, args, *, op, rule, wrt, primals, batch, bind):
+    """Lowers an op without a declaration to run once, not once per device.
+
+    XLA would gather the operands and run the opaque call on every device of
+    the program, each on the whole arrays (N times the work, N times any side
+    effect). Here the operands are gathered, the first device runs the rule,
+    and a ``psum`` (the others contribute zeros) hands every device its result,
+    as ``jax.pure_callback`` does.
+    """
+    names = itertools.count()
+    operands = tuple(tuple(f"x{next(names)}" for _ in a.shape) for a in ctx.avals_in)
+    results = tuple(tuple(f"x{next(names)}" for _ in a.shape) for a in ctx.avals_out)
+    every = frozenset(itertools.chain(*operands, *results))
+    factors = _sharding.RuleFactors(operands=operands, results=results, replicate=every,
+                                    sizes={}, inputs=(), batch=())
+    in_shapes = tuple(tuple(a.shape) for a in ctx.avals_in)
+    out_avals = [(tuple(a.shape), a.dtype) for a in ctx.avals_out]
+
+    def per_shard(mesh, arg_shapes, result_shape, held):
+        held.append(_prebuilt(op, rule, wrt, primals, batch, in_shapes))
+        axes = tuple(mesh.axis_names)
+
+        def local(*whole):
+            index = 0
+            for axis in axes:  # this device's position, row-major over the mesh
+                index = index * mesh.shape[axis] + jax.lax.axis_index(axis)
+
+            def run(values):
+                return tuple(bind(op, rule, values, primals, batch, wrt))
+
+            def skip(values):
+                return tuple(jax.numpy.zeros(shape, dtype) for shape, dtype in out_avals)
+
+            outs = jax.lax.cond(index == 0, run, skip, whole)
+            return tuple(_broadcast_first(o, axes) for o in outs)
+
+        whole_specs = tuple((None,) * len(s) for s in in_shapes)
+        return local, tuple((None,) * len(s) for s, _ in out_avals), whole_specs
+
+    return _lower_partitioned(ctx, args, op=op, rule=rule, wrt=wrt, primals=primals,
+                              batch=batch, factors=factors, bind=bind, per_shard=per_shard)
+
+
+def _broadcast_first(value, axes):
+    """Every device gets the first device's `value` (the others hold zeros)."""
+    if value.dtype == bool:
+        return _compat.psum(value.astype("int8"), axes) > 0
+    return _compat.psum(value, axes)
+
+
+def _lower_partitioned(ctx, args, *, op, rule, wrt, primals, batch, factors, bind, per_shard):
+    """The ``custom_partitioning`` call around one equation; `per_shard` builds the
+    per-device function ``(local, result specs, operand specs)`` for XLA's mesh."""
     held = _Held()
     ctx.module_context.add_keepalive(held)
     _mark_unique(ctx.module_context.module)
-    operand_shapes = [tuple(a.shape) for a in ctx.avals_in]
-    result_avals = list(ctx.avals_out)
-    what = f"{spec.name} ({rule})"
+    what = f"{op.spec.name} ({rule})"
 
-    def per_shard(mesh, arg_shapes, result_shape):
+    def partition(mesh, arg_shapes, result_shape):
         try:
-            axis_sizes = dict(mesh.shape)
-            specs = [_spec_of(s) for s in arg_shapes]
-            p = plan(factors, specs, axis_sizes)
-            local_primals, local_batch, local_in = shard_equation(
-                op, rule, wrt, primals, batch, factors, p, axis_sizes, operand_shapes,
-                [tuple(a.shape) for a in result_avals])
-            # Built now so that the executable holds it (the per-shard lowering's own
-            # keep-alives are dropped with its temporary module).
-            held.keep.append(_prebuilt(op, rule, wrt, local_primals, local_batch,
-                                               local_in))
-            summed = p.summed
-
-            def local(*blocks):
-                outs = bind(op, rule, blocks, local_primals, local_batch, wrt)
-                return tuple(_compat.psum(o, axes) if axes else o
-                             for o, axes in zip(outs, summed))
-
+            # Kernels are built now so that the executable holds them (the per-shard
+            # lowering's own keep-alives are dropped with its temporary module).
+            local, result_specs, operand_specs = per_shard(mesh, arg_shapes, result_shape,
+                                                           held.keep)
             named = _compat.NamedSharding
             return (mesh, local,
-                    tuple(named(mesh, _compat.P(*s)) for s in p.result_specs),
-                    tuple(named(mesh, _compat.P(*s)) for s in p.operand_specs))
+                    tuple(named(mesh, _compat.P(*s)) for s in result_specs),
+                    tuple(named(mesh, _compat.P(*s)) for s in operand_specs))
         except Exception as error:
             # XLA reports the failure as a JaxRuntimeError carrying this text.
             raise RuntimeError(
@@ -233,7 +294,7 @@ def lower(ctx, args, *, op, rule, wrt, primals, batch, factors, bind):
         return tuple(bind(op, rule, operands, primals, batch, wrt))
 
     wrapped = _compat.custom_partitioning(whole)
-    wrapped.def_partition(partition=per_shard, sharding_rule=sdy_rule(factors))
+    wrapped.def_partition(partition=partition, sharding_rule=sdy_rule(factors))
     return _compat.mlir.lower_fun(lambda *a: list(wrapped(*a)), multiple_results=True)(
         ctx, *args)
 
@@ -345,6 +406,21 @@ def eager_call(op, rule, wrt, primals, batch, operands, *, describe, single=Fals
     call = _eager.Call(kernel, local_out, single, rebuild=rebuild, caller=caller)
     cache[key] = call
     return call, pin
+
+
+def onto_one_device(values):
+    """`values` (a pytree) moved whole onto one device, where they span several.
+
+    An op without a declaration, called outside ``jit`` on sharded arrays, runs
+    once there instead of once per device on gathered copies. Arrays another
+    process holds parts of stay as they are.
+    """
+    leaves = jax.tree_util.tree_leaves(values)
+    sharded = [x for x in leaves if getattr(getattr(x, "sharding", None), "num_devices", 1) > 1]
+    if not sharded or not all(getattr(x, "is_fully_addressable", True) for x in sharded):
+        return values
+    device = min(sharded[0].sharding.device_set, key=lambda d: d.id)
+    return jax.device_put(values, device)
 
 
 def spans_devices(values) -> bool:

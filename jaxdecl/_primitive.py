@@ -77,9 +77,14 @@ def _impl(*args, op, rule, wrt, primals, batch):
         return broadcast_vmapped(traceable, batch, len(args))(*args)
     op.user_rule(rule, wrt)  # raises MissingRuleError before anything runs
     found = None
-    if op.handle.declares_sharding and _partition.spans_devices(args):
-        # Sharded operands (an un-jitted grad of a sharded array): per shard.
-        found = _partition.eager_call(op, rule, wrt, primals, batch, args, describe=refusal)
+    if _partition.spans_devices(args):
+        # Sharded operands (an un-jitted grad of a sharded array): per shard where
+        # the op declares how, else once on one device.
+        if op.handle.declares_sharding:
+            found = _partition.eager_call(op, rule, wrt, primals, batch, args,
+                                          describe=refusal)
+        if found is None:
+            args = _partition.onto_one_device(args)
     if found is not None:
         call, pin = found
     else:
@@ -154,13 +159,15 @@ def _lowering(ctx, *args, op, rule, wrt, primals, batch):
         return _compat.mlir.lower_fun(evaluate, multiple_results=True)(ctx, *args)
     op.user_rule(rule, wrt)  # raises MissingRuleError before anything runs
     in_shapes = tuple(tuple(aval.shape) for aval in ctx.avals_in)
-    if _partition.wants_partitioning(ctx):
+    if _partition.wants_partitioning(ctx) and _partition.can_split(op.spec.name):
         resolved = op.sharding(primals)
-        if resolved is not None and _partition.can_split(op.spec.name):
-            factors = _sharding.rule_factors(resolved, op.layout(primals), rule, wrt, batch,
-                                             in_shapes)
-            return _partition.lower(ctx, args, op=op, rule=rule, wrt=wrt, primals=primals,
-                                    batch=batch, factors=factors, bind=bind_rule)
+        if resolved is None:  # no declaration: once, not once per device
+            return _partition.lower_once(ctx, args, op=op, rule=rule, wrt=wrt,
+                                         primals=primals, batch=batch, bind=bind_rule)
+        factors = _sharding.rule_factors(resolved, op.layout(primals), rule, wrt, batch,
+                                         in_shapes)
+        return _partition.lower(ctx, args, op=op, rule=rule, wrt=wrt, primals=primals,
+                                batch=batch, factors=factors, bind=bind_rule)
     kernel, pin = op.kernel(rule, wrt, primals, batch, in_shapes)
     # The HLO names the kernel by fingerprint alone. The Python executable
     # keeps the kernel registered until XLA has instantiated the program,

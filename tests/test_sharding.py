@@ -375,3 +375,50 @@ def test_a_dot_product_declares_a_0d_result_and_sums_per_shard():
     np.testing.assert_allclose(np.asarray(grads[0]), bn, rtol=1e-12)
     np.testing.assert_allclose(np.asarray(grads[1]), an, rtol=1e-12)
     jd.check(_Dot(), an, bn)  # the declaration too: halves summed equal the whole
+
+
+class _PlainCube(jd.Primitive):
+    """_Cube without a sharding declaration."""
+
+    @jd.abstract
+    def shapes(self, x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x):
+        _Cube.seen.append(("forward", x.shape))
+        return x ** 3
+
+    @jd.vjp
+    def pull(self, x, ct):
+        _Cube.seen.append(("vjp", x.shape))
+        return 3 * x ** 2 * ct
+
+
+@pytest.mark.parametrize("how", [
+    pytest.param("jit", marks=needs_split), pytest.param("jit_grad", marks=needs_split),
+    "eager", "grad"])
+def test_an_undeclared_op_runs_once_not_once_per_device(how):
+    """Without a declaration the op needs its inputs whole: they are gathered and the rule
+    runs once (as jax.pure_callback does), not on every device."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",),
+                             axis_types=(jax.sharding.AxisType.Auto,))
+    xn = np.linspace(0.5, 2.0, 24).reshape(4, 6)
+    x = jax.device_put(jnp.asarray(xn), NamedSharding(mesh, P("d")))
+    op = _PlainCube()
+    _Cube.seen.clear()
+    if how == "jit":
+        out, expected, rules = jax.jit(lambda v: op(v) + 1.0)(x), xn ** 3 + 1.0, ["forward"]
+    elif how == "jit_grad":
+        out = jax.jit(jax.grad(lambda v: op(v).sum()))(x)
+        expected, rules = 3 * xn ** 2, ["vjp"]  # the unused forward is not run
+    elif how == "eager":
+        out, expected, rules = op(x), xn ** 3, ["forward"]
+    else:
+        out, expected, rules = jax.grad(lambda v: op(v).sum())(x), 3 * xn ** 2, \
+            ["forward", "vjp"]
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-12)
+    assert sorted(_Cube.seen) == sorted((rule, (4, 6)) for rule in rules), _Cube.seen
