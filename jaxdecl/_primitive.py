@@ -120,8 +120,15 @@ def _abstract_eval(*avals, op, rule, wrt, primals, batch):
     plan = _partition.plan(factors, specs, dict(mesh.shape), strict=True,
                            describe=lambda *where: refusal(op, io, rule, *where))
     _partition.check_explicit_sums(op.spec.name, plan)
+    result_specs = list(plan.result_specs)
+    if rule == "vjp":
+        # A cotangent has its primal's type: the cotangent of an input split along
+        # fewer factors than the plan splits (a replicated matrix against a split
+        # vector) is gathered to it.
+        for j, i in enumerate(op.layout(primals).diff_indices):
+            result_specs[j] = specs[i]
     return [_compat.sharded_aval(shape, dtype, mesh, spec)
-            for (shape, dtype), spec in zip(shapes, plan.result_specs)]
+            for (shape, dtype), spec in zip(shapes, result_specs)]
 
 
 def _mesh_of(avals):

@@ -422,3 +422,73 @@ def test_an_undeclared_op_runs_once_not_once_per_device(how):
             ["forward", "vjp"]
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-12)
     assert sorted(_Cube.seen) == sorted((rule, (4, 6)) for rule in rules), _Cube.seen
+
+
+class _Lin(jd.Primitive, sharding="n m -> n m", linear=True):
+    @jd.abstract
+    def shapes(self, x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x):
+        return 3.0 * x
+
+    @jd.transpose
+    def back(self, ct):
+        return 3.0 * ct
+
+
+class _MatVec(jd.Primitive, sharding="b k, k -> b", reduce=("k",)):
+    @jd.abstract
+    def shapes(self, a, x):
+        return jax.ShapeDtypeStruct(a.shape[:1], a.dtype)
+
+    @jd.forward
+    def apply(self, a, x):
+        return a @ x
+
+    @jd.vjp
+    def pull(self, a, x, ct):
+        return np.outer(ct, x), a.T @ ct
+
+
+@pytest.mark.skipif(not hasattr(jax, "set_mesh"), reason="jax.set_mesh needs JAX >= 0.7")
+@pytest.mark.parametrize("how", ["grad", "vjp", "jvp", "vmap", "linear_transpose",
+                                 "jit_grad_replicated_matrix"])
+def test_explicit_axes_keep_the_sharding_in_every_result_type(how):
+    """With Explicit mesh axes, derivatives (jitted or not) carry their primal's sharding
+    in their types, as JAX's own ops do."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxdecl import _compat
+
+    mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,),
+                         devices=jax.devices()[:2])
+    xn = np.linspace(0.5, 2.0, 24).reshape(4, 6)
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jnp.asarray(xn), NamedSharding(mesh, P("d")))
+        if how == "grad":
+            out, want = jax.grad(lambda v: _Cube()(v).sum())(x), 3 * xn ** 2
+        elif how == "vjp":
+            out, want = jax.vjp(_Cube(), x)[1](x)[0], 3 * xn ** 3
+        elif how == "jvp":
+            out, want = jax.jvp(_Cube(), (x,), (x,))[1], 3 * xn ** 3
+        elif how == "vmap":  # a batch of two, each split by rows
+            x = jax.device_put(jnp.stack([xn, 2 * xn]), NamedSharding(mesh, P(None, "d")))
+            out, want = jax.vmap(_Cube())(x), np.stack([xn ** 3, 8 * xn ** 3])
+        elif how == "linear_transpose":
+            out, want = jax.linear_transpose(_Lin(), x)(x)[0], 3 * xn
+        else:
+            if not _compat.EXPLICIT_REDUCTIONS:
+                pytest.skip("a psum over Explicit axes needs JAX >= 0.9")
+            a = jax.device_put(jnp.asarray(xn[:, :4].T @ xn[:, :4]), NamedSharding(mesh, P()))
+            v = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("d")))
+            ga, gv = jax.jit(jax.grad(lambda a, v: _MatVec()(a, v).sum(), argnums=(0, 1)))(a, v)
+            assert jax.typeof(ga).sharding.spec == P(None, None), jax.typeof(ga)
+            assert jax.typeof(gv).sharding.spec == P("d"), jax.typeof(gv)
+            np.testing.assert_allclose(np.asarray(ga), np.outer(np.ones(4), np.arange(4.0)))
+            np.testing.assert_allclose(np.asarray(gv), np.asarray(a).T @ np.ones(4))
+            return
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-12)
+    assert "d" in tuple(jax.typeof(out).sharding.spec), jax.typeof(out)
