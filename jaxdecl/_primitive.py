@@ -105,16 +105,24 @@ def _abstract_eval(*avals, op, rule, wrt, primals, batch):
     mesh = _mesh_of(avals)
     if mesh is None:
         return [ShapedArray(shape, dtype) for shape, dtype in shapes]
-    if _compat.all_axes_manual(mesh):  # inside shard_map: results vary as the operands do
-        varying = _compat.vma_of(jaxdecl_p.name, avals)
+    # Inside shard_map (over all mesh axes or some) results vary over the manual
+    # axes as the operands do.
+    varying = _compat.vma_of(jaxdecl_p.name, avals)
+
+    def whole():
+        if not varying:
+            return [ShapedArray(shape, dtype) for shape, dtype in shapes]
         return [_compat.sharded_aval(shape, dtype, mesh, (None,) * len(shape), varying)
                 for shape, dtype in shapes]
+
+    if _compat.all_axes_manual(mesh):
+        return whole()
     specs = [tuple(a.sharding.spec) + (None,) * (a.ndim - len(a.sharding.spec)) for a in avals]
     if not any(any(entry is not None for entry in spec) for spec in specs):
-        return [ShapedArray(shape, dtype) for shape, dtype in shapes]
+        return whole()
     resolved = op.sharding(primals)
     if resolved is None:  # no declaration: XLA gathers the inputs, results are whole
-        return [ShapedArray(shape, dtype) for shape, dtype in shapes]
+        return whole()
     factors = _sharding.rule_factors(resolved, op.layout(primals), rule, wrt, batch,
                                      tuple(tuple(a.shape) for a in avals))
     plan = _partition.plan(factors, specs, dict(mesh.shape), strict=True,
@@ -127,7 +135,7 @@ def _abstract_eval(*avals, op, rule, wrt, primals, batch):
         # vector) is gathered to it.
         for j, i in enumerate(op.layout(primals).diff_indices):
             result_specs[j] = specs[i]
-    return [_compat.sharded_aval(shape, dtype, mesh, spec)
+    return [_compat.sharded_aval(shape, dtype, mesh, spec, varying)
             for (shape, dtype), spec in zip(shapes, result_specs)]
 
 

@@ -6,6 +6,7 @@ HLO has no gather for independent factors, the rules' call records show
 local blocks, values match the unsharded computation.
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -492,3 +493,29 @@ def test_explicit_axes_keep_the_sharding_in_every_result_type(how):
             return
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-12)
     assert "d" in tuple(jax.typeof(out).sharding.spec), jax.typeof(out)
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["declared", "undeclared"])
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_shard_map_over_some_mesh_axes_differentiates(axis_type, declared):
+    """shard_map manual over "x" only, on an x-by-y mesh: the op's results vary over "x"
+    as its operands do, so grad (jitted or not) gets the cotangent types it expects."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxdecl import _compat
+
+    if _compat.JAX_VERSION < (0, 7):
+        pytest.skip("JAX < 0.7 has no eager shard_map over some axes, nor jax.set_mesh")
+    kind = getattr(jax.sharding.AxisType, axis_type)
+    mesh = jax.make_mesh((2, 1), ("x", "y"), axis_types=(kind, kind), devices=jax.devices()[:2])
+    cube = _Cube if declared else _PlainCube
+    f = jax.shard_map(lambda v: cube()(v), mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                      axis_names={"x"})
+    xn = np.linspace(0.5, 2.0, 24).reshape(4, 6)
+    context = jax.set_mesh(mesh) if axis_type == "Explicit" else contextlib.nullcontext()
+    with context:
+        x = jax.device_put(jnp.asarray(xn), NamedSharding(mesh, P("x")))
+        np.testing.assert_allclose(np.asarray(f(x)), xn ** 3, rtol=1e-12)
+        for grad in (jax.grad(lambda v: f(v).sum()), jax.jit(jax.grad(lambda v: f(v).sum()))):
+            np.testing.assert_allclose(np.asarray(grad(x)), 3 * xn ** 2, rtol=1e-12)
