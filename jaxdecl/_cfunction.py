@@ -52,12 +52,22 @@ class CFunction:
     Calling the object from Python runs the kernel on NumPy arrays
     (``kernel(*inputs, out=outputs)``), which is what ``jd.check`` does.
 
+    Residuals (``@jd.residuals``): a C ``@forward`` declared with
+    ``saved=True`` receives, when a derivative follows, the residual buffers
+    after its output buffers (in the residual pytree's leaf order) and fills
+    them; on a plain call it receives its outputs only, so ``n_out`` tells the
+    two apart. A C ``@jvp``/``@vjp`` declared with ``result=True`` and/or
+    ``saved=True`` receives, after its usual operands, the forward's output
+    buffers (all of them, integer ones too), then the residual buffers.
+
     Args:
       function: a PyCapsule holding the function pointer (from your own
         pybind11 module), a ctypes function, or the address as an int.
       keepalive: an object that owns the function's code (e.g. the ctypes
         library); kept for the life of the process. Defaults to `function`.
       name: the rule's name in messages.
+      saved: the kernel takes the residuals (see above).
+      result: the kernel (a ``@jvp``/``@vjp``) takes the forward's outputs.
 
     Example:
         >>> import ctypes, jaxdecl as jd
@@ -66,12 +76,15 @@ class CFunction:
         True
     """
 
-    def __init__(self, function, *, keepalive=None, name: str | None = None):
+    def __init__(self, function, *, keepalive=None, name: str | None = None,
+                 saved: bool = False, result: bool = False):
         self.address = _address_of(function)
         if not self.address:
             raise ValueError("jd.cfunction: the function pointer is NULL")
         self.keepalive = function if keepalive is None else keepalive
         self.__name__ = name or getattr(function, "__name__", "c_kernel")
+        # The keyword arguments a Python rule would take (see jaxdecl._residuals).
+        self.takes = frozenset(k for k, on in (("saved", saved), ("result", result)) if on)
 
     def __repr__(self) -> str:
         return f"<jd.cfunction {self.__name__} at {self.address:#x}>"
@@ -91,9 +104,10 @@ class CFunction:
         return _dispatch.register_c_kernel(self.address, self.keepalive)
 
 
-def cfunction(function, *, keepalive=None, name: str | None = None) -> CFunction:
+def cfunction(function, *, keepalive=None, name: str | None = None, saved: bool = False,
+              result: bool = False) -> CFunction:
     """Wraps a C function with jaxdecl.h's ``jaxdecl_kernel`` signature as a rule.
 
     See :class:`CFunction`.
     """
-    return CFunction(function, keepalive=keepalive, name=name)
+    return CFunction(function, keepalive=keepalive, name=name, saved=saved, result=result)

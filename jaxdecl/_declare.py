@@ -13,12 +13,14 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from . import _residuals
 from ._cfunction import CFunction
 from ._errors import DeclarationError
 from ._op import apply_op, spec_of  # noqa: F401 - spec_of re-exported
 from ._sharding import ShardingRule, from_options
 
-RULE_KINDS = ("abstract", "forward", "jvp", "vjp", "transpose", "adjoint", "batch", "sharding")
+RULE_KINDS = ("abstract", "forward", "jvp", "vjp", "transpose", "adjoint", "batch", "sharding",
+              "residuals")
 _MARK = "__jaxdecl_rule__"
 BATCH_MODES = ("loop", "vectorized")
 
@@ -262,6 +264,39 @@ Example:
 """)
 
 
+residuals = _make_decorator("residuals", """Marks the method that declares what the forward keeps.
+
+It sees the inputs as ``jax.ShapeDtypeStruct`` (as ``@abstract`` does) and
+returns a pytree of them, any dtype. The ``@forward`` then takes a
+keyword-only ``saved``: writable views of those arrays to fill when a
+derivative follows, ``None`` on a plain call (nothing is allocated then). A
+``@jvp`` or ``@vjp`` that adds the keyword-only ``saved`` receives them, read
+only; one that adds ``result`` receives the forward's output. Under ``grad``,
+``vjp``, ``jvp`` and ``linearize`` the forward then runs once per evaluation.
+
+Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxdecl as jd
+    >>> class Normalize(jd.Primitive):
+    ...     @jd.abstract
+    ...     def shapes(self, x):
+    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    ...     @jd.residuals
+    ...     def keeps(self, x):
+    ...         return {"norm": jax.ShapeDtypeStruct((), x.dtype)}
+    ...     @jd.forward
+    ...     def apply(self, x, *, saved=None):
+    ...         norm = np.linalg.norm(x)
+    ...         if saved is not None:
+    ...             saved["norm"][...] = norm
+    ...         return x / norm
+    ...     @jd.vjp
+    ...     def pull(self, x, ct, *, saved, result):
+    ...         return (ct - result * np.dot(result, ct)) / saved["norm"]
+    >>> jax.grad(lambda x: Normalize()(x)[0])(jnp.array([3.0, 4.0])).tolist()
+    [0.128, -0.096]
+""")
+
+
 @dataclasses.dataclass(frozen=True)
 class OpSpec:
     """Everything jaxdecl knows about a primitive class, collected once."""
@@ -275,6 +310,7 @@ class OpSpec:
     nondiff: frozenset
     batch_mode: str
     sharding: ShardingRule | None = None  # from the class options (else maybe @sharding)
+    keeps: _residuals.Keeps | None = None  # residuals and result= (None: no rule uses them)
 
     def rule(self, kind: str) -> Rule | None:
         return self.rules.get(kind)
@@ -285,10 +321,11 @@ class OpSpec:
         return f"{self.name}.{rule.name}" if rule else f"{self.name} (@{kind})"
 
 
-_OPTIONS = ("linear", "multilinear", "nondiff", "batch", "sharding", "replicate", "reduce")
+_OPTIONS = ("linear", "multilinear", "nondiff", "batch", "sharding", "replicate", "reduce",
+            "residuals")
 
 
-def _input_names(cls_name: str, rule: Rule) -> tuple[str, ...]:
+def _input_names(cls_name: str, rule: Rule, keywords: tuple = ("out",)) -> tuple[str, ...]:
     signature = inspect.signature(rule.function)
     names = []
     parameters = list(signature.parameters.values())[1:]  # skip self
@@ -296,12 +333,13 @@ def _input_names(cls_name: str, rule: Rule) -> tuple[str, ...]:
         if parameter.kind in (inspect.Parameter.POSITIONAL_ONLY,
                               inspect.Parameter.POSITIONAL_OR_KEYWORD):
             names.append(parameter.name)
-        elif parameter.kind is inspect.Parameter.KEYWORD_ONLY and parameter.name == "out":
+        elif parameter.kind is inspect.Parameter.KEYWORD_ONLY and parameter.name in keywords:
             continue
         else:
             raise DeclarationError(
                 f"{cls_name}.{rule.name} (@{rule.kind}): parameter {parameter.name!r} must be "
-                f"a plain positional input (no *args, **kwargs, or keyword-only other than out)"
+                f"a plain positional input (no *args, **kwargs, or keyword-only other than "
+                f"{' or '.join(keywords)})"
             )
     return tuple(names)
 
@@ -369,7 +407,8 @@ def build_spec(cls, options: dict[str, Any]) -> OpSpec:
         rules[rule.kind] = rule
 
     for rule in rules.values():
-        if isinstance(rule.function, CFunction) and rule.kind in ("abstract", "batch"):
+        if isinstance(rule.function, CFunction) and rule.kind in ("abstract", "batch",
+                                                                  "residuals"):
             raise DeclarationError(f"{name}: @{rule.kind} must be a Python method, not a C kernel")
     if "sharding" in rules and isinstance(rules["sharding"].function, CFunction):
         raise DeclarationError(f"{name}: @sharding must be a Python method, not a C kernel")
@@ -383,7 +422,7 @@ def build_spec(cls, options: dict[str, Any]) -> OpSpec:
     # The inputs' names come from @abstract (a C kernel's @forward has none).
     params = _input_names(name, rules["abstract"])
     if not isinstance(rules["forward"].function, CFunction):
-        forward_params = _input_names(name, rules["forward"])
+        forward_params = _input_names(name, rules["forward"], ("out", "saved"))
         if forward_params != params:
             raise DeclarationError(
                 f"{name}.{rules['abstract'].name} (@abstract) takes inputs {params}, but "
@@ -469,9 +508,13 @@ def build_spec(cls, options: dict[str, Any]) -> OpSpec:
                 f"{name}.{rules['sharding'].name} (@sharding) takes inputs {method_params}, but "
                 f"the op's inputs are {params}; they must match")
 
+    keeps = _residuals.declare(name, rules, transposes_wrt, params, linear or multilinear,
+                               _input_names)
+
     return OpSpec(
         name=name, params=params, rules=rules, transposes_wrt=transposes_wrt, linear=linear,
         multilinear=multilinear, nondiff=nondiff, batch_mode=batch_mode, sharding=declared,
+        keeps=keeps,
     )
 
 

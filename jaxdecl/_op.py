@@ -50,13 +50,14 @@ from . import (
     _fingerprint,
     _layout,
     _partition,
+    _residuals,
     _runtime,
     _sharding,
     _structure,
 )
 from ._cfunction import CFunction
 from ._errors import missing_rule
-from ._layout import FORWARD, TRANSPOSE, TRANSPOSE_WRT
+from ._layout import FORWARD, FORWARD_SAVING, TRANSPOSE, TRANSPOSE_WRT
 from ._primitive import bind_rule, refusal
 
 _lock = threading.RLock()
@@ -104,14 +105,15 @@ class OpHandle:
             rule = spec.sharding
             if rule is None:
                 rule = _sharding.call_method(spec.rules["sharding"], instance, layout, spec.name)
-            resolved = _sharding.resolve(rule, layout, spec.params, spec.name)
+            resolved = _sharding.resolve(rule, layout, spec.params, spec.name,
+                                         spec.keeps is not None and spec.keeps.result)
         self._shardings[primals] = resolved
         return resolved
 
     def user_rule(self, rule: str, wrt: int = -1):
         """The Rule behind `rule`, or raise MissingRuleError naming what to add."""
         spec = self.spec
-        if rule == FORWARD:
+        if rule in (FORWARD, FORWARD_SAVING):
             return spec.rules["forward"]
         if rule == TRANSPOSE:
             return spec.rules.get("transpose") or spec.rules["adjoint"]
@@ -153,21 +155,27 @@ class OpHandle:
             _KERNEL_ABI, self.fingerprint, rule, str(wrt), repr(primals), repr(batch),
             repr(in_shapes))
         looped = bool(batch) and spec.batch_mode == "loop"
-        if isinstance(user.function, CFunction) and user.kind != "adjoint" and not looped:
-            return _runtime.register_c(fingerprint, name, user.function)
         io = _layout.rule_io(spec, self.layout(primals, instance), rule, wrt)
         function, ref = _runtime.weak_binding(user, instance)
-        if io.structured:
+        zero_copy = user.zero_copy
+        keyworded = bool(io.keywords or io.n_extra)
+        if keyworded:  # saved=/result= arguments, or extras the rule leaves out
+            function, zero_copy, io = _residuals.kernel_rule(
+                function, io, zero_copy, name, 0 if ref is None else 1,
+                0 if looped else len(batch))
+        if isinstance(function, CFunction) and user.kind != "adjoint" and not looped:
+            return _runtime.register_c(fingerprint, name, function)
+        if io.structured and not keyworded:  # (kernel_rule packs pytrees itself)
             # The rule takes and returns pytrees; the kernel deals in flat arrays.
             function = _structure.structured_rule(
-                function, io, user.zero_copy, name, n_head=0 if ref is None else 1)
+                function, io, zero_copy, name, n_head=0 if ref is None else 1)
             io = dataclasses.replace(io, single_result=False)
         if user.kind == "adjoint":
             n_lead = len(io.in_names) - sum(self.layout(primals, instance).float_out)
             function = _runtime.transpose_from_adjoint(
-                function, user.zero_copy, n_lead, takes_instance=ref is not None)
+                function, zero_copy, n_lead, takes_instance=ref is not None)
         kernel, on_escape = _runtime.make_kernel(
-            function, zero_copy=user.zero_copy, io=io, context=name, batch_shape=batch,
+            function, zero_copy=zero_copy, io=io, context=name, batch_shape=batch,
             loop=looped, in_shapes=in_shapes, instance_ref=ref,
         )
         return _runtime.register(fingerprint, name, kernel, on_escape, ref)
@@ -262,9 +270,11 @@ class BoundOp:
         found = self.spec.rules.get(rule)
         if found is None or not found.traceable:
             return None
-        return _structure.traceable_rule(
-            found.bind(self.instance), self.rule_io(primals, rule, -1),
-            f"{self.spec.name}.{found.name} (@{found.kind})")
+        io = self.rule_io(primals, rule, -1)
+        context = f"{self.spec.name}.{found.name} (@{found.kind})"
+        if io.keywords or io.n_extra:
+            return _residuals.traceable_rule(found.bind(self.instance), io, context)
+        return _structure.traceable_rule(found.bind(self.instance), io, context)
 
 
 _compat.hold_weakly_in_caches(BoundOp)
