@@ -310,7 +310,7 @@ def test_forward_runs_once_per_derivative(op_class, name, jit, dtype):
     run = jax.jit(derivative, static_argnums=0) if jit else derivative
     expected = derivative(type("SolveRef", (), {"__call__": staticmethod(solve_ref)})(), a, b, t)
     CALLS.clear()
-    actual = run(op_class(), a, b, t)
+    actual = jax.block_until_ready(run(op_class(), a, b, t))
     assert CALLS == collections.Counter({("forward", True): 1, **rules}), dict(CALLS)
     for x, y in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
         np.testing.assert_allclose(x, y, rtol=30 * tol(dtype), atol=30 * tol(dtype))
@@ -321,11 +321,12 @@ def test_plain_calls_compute_no_residuals(op_class):
     a, b, t = _inputs("float64")
     op = op_class()
     CALLS.clear()
-    op(a, b)
-    jax.jit(op)(a, b)
-    jax.vmap(op)(np.stack([a, a]), np.stack([b, b]))
-    jax.grad(lambda b: jnp.sum(op(jax.lax.stop_gradient(a), jax.lax.stop_gradient(b))))(b)
-    jax.jvp(lambda b: op(a, jax.lax.stop_gradient(b)), (b,), (b,))
+    jax.block_until_ready([
+        op(a, b),
+        jax.jit(op)(a, b),
+        jax.vmap(op)(np.stack([a, a]), np.stack([b, b])),
+        jax.grad(lambda b: jnp.sum(op(jax.lax.stop_gradient(a), jax.lax.stop_gradient(b))))(b),
+        jax.jvp(lambda b: op(a, jax.lax.stop_gradient(b)), (b,), (b,))])
     assert CALLS == collections.Counter({("forward", False): 6}), dict(CALLS)
 
 
@@ -363,7 +364,7 @@ def test_result_alone_binds_the_plain_forward_once():
     op = Nearest1D(np.array([-1.0, 0.5, 2.0]))
     q = jnp.array([-0.7, 0.2, 1.6, 3.0])
     CALLS.clear()
-    grad = jax.jit(jax.grad(lambda q: jnp.sum(op(q)[0] ** 2)))(q)
+    grad = jax.block_until_ready(jax.jit(jax.grad(lambda q: jnp.sum(op(q)[0] ** 2)))(q))
     assert CALLS == collections.Counter({"forward": 1, "vjp": 1})
     ref = jax.grad(lambda q: jnp.sum(jnp.min(jnp.abs(q[:, None] - op.points), axis=1) ** 2))(q)
     np.testing.assert_allclose(grad, ref, rtol=1e-12)
@@ -428,7 +429,7 @@ def _polar_loss(f):
 def test_pytree_residuals_and_result():
     p = _polar_inputs()
     CALLS.clear()
-    value, grad = jax.jit(jax.value_and_grad(_polar_loss(Polar())))(p)
+    value, grad = jax.block_until_ready(jax.jit(jax.value_and_grad(_polar_loss(Polar())))(p))
     assert CALLS == collections.Counter({("forward", True, (3,)): 1, "vjp": 1}), dict(CALLS)
     ref_value, ref = jax.value_and_grad(_polar_loss(polar_ref))(p)
     np.testing.assert_allclose(value, ref_value, rtol=1e-12)
@@ -446,6 +447,7 @@ def test_vectorized_batch_sees_batched_residuals(order):
         actual = jax.jit(jax.vmap(grad))(p)
     else:
         actual = jax.jit(jax.grad(lambda p: jnp.sum(jax.vmap(_polar_loss(Polar()))(p))))(p)
+    jax.block_until_ready(actual)
     # One call on the whole batch: the residual views carry the batch dim too.
     assert CALLS == collections.Counter({("forward", True, (5, 3)): 1, "vjp": 1}), dict(CALLS)
     for key in ("x", "y"):
@@ -468,13 +470,14 @@ def test_vmap_of_grad_loops_the_saving_forward(op_class):
     a = np.stack([_matrix(rng, 3, np.float64) for _ in range(4)])
     b = rng.standard_normal((4, 3))
     CALLS.clear()
-    actual = jax.jit(jax.vmap(jax.grad(_loss(op_class()), (0, 1))))(a, b)
+    actual = jax.block_until_ready(jax.jit(jax.vmap(jax.grad(_loss(op_class()), (0, 1))))(a, b))
     expected = jax.vmap(jax.grad(_loss(solve_ref), (0, 1)))(a, b)
     assert CALLS == collections.Counter({("forward", True): 4, "vjp": 4}), dict(CALLS)
     for x, y in zip(actual, expected):
         np.testing.assert_allclose(x, y, rtol=1e-10)
     CALLS.clear()
-    jax.vmap(op_class())(a, b)  # a plain batched call uses the @batch rule, when there is one
+    # A plain batched call uses the @batch rule, when there is one.
+    jax.block_until_ready(jax.vmap(op_class())(a, b))
     assert CALLS == (collections.Counter({"batch rule": 1}) if op_class is SolveBatchRule
                      else collections.Counter({("forward", False): 4})), dict(CALLS)
 
@@ -494,7 +497,7 @@ def test_grad_through_scan_and_cond():
         return loss
 
     CALLS.clear()
-    actual = jax.jit(jax.grad(chain(op), (0, 1)))(a, b)
+    actual = jax.block_until_ready(jax.jit(jax.grad(chain(op), (0, 1)))(a, b))
     assert CALLS == collections.Counter({("forward", True): 3, "vjp": 3}), dict(CALLS)
     expected = jax.grad(chain(solve_ref), (0, 1))(a, b)
     for x, y in zip(actual, expected):
@@ -881,7 +884,7 @@ def test_sharded_grad_keeps_residuals_per_device():
     grad = jax.jit(jax.grad(_loss(BatchSolve()), (0, 1)))
     assert "all-gather" not in grad.lower(a_s, b_s).compile().as_text()
     SHARD_CALLS.clear()
-    actual = grad(a_s, b_s)
+    actual = jax.block_until_ready(grad(a_s, b_s))
     # Each device factorises its own 2 matrices once and reads them back in the vjp.
     assert collections.Counter(SHARD_CALLS) == collections.Counter(
         {("forward", True, (2, 3, 3)): 2, ("vjp", (2, 3, 3)): 2}), SHARD_CALLS
@@ -926,3 +929,31 @@ def test_sharded_grad_without_residual_factors_names_the_fix():
     np.testing.assert_allclose(jax.jit(op)(a_s, b), _batch_solve_ref(a, b), rtol=1e-10)
     with pytest.raises(Exception, match=r"BatchSolveUndeclared keeps residuals.*add residuals="):
         jax.jit(jax.grad(_loss(op), (0, 1)))(a_s, b)
+
+
+@pytest.mark.parametrize("where", ["shard_map", "explicit_axes"])
+def test_residuals_under_shard_map_and_explicit_axes(where):
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices")
+    a, b = _batch_solve_inputs()
+    mesh = jax.make_mesh((2,), ("d",), axis_types=(AxisType.Explicit,),
+                         devices=jax.devices()[:2])
+    a_s, b_s = (jax.device_put(x, NamedSharding(mesh, P("d"))) for x in (a, b))
+    grad = jax.grad(_loss(BatchSolve()), (0, 1))
+    SHARD_CALLS.clear()
+    if where == "shard_map":
+        actual = jax.jit(jax.shard_map(grad, mesh=mesh, in_specs=(P("d"), P("d")),
+                                       out_specs=(P("d"), P("d"))))(a_s, b_s)
+    else:
+        with jax.set_mesh(mesh):
+            actual = jax.jit(grad)(a_s, b_s)
+        assert actual[0].sharding.spec == P("d", None, None)
+    jax.block_until_ready(actual)  # both devices' calls have finished
+    assert collections.Counter(SHARD_CALLS) == collections.Counter(
+        {("forward", True, (2, 3, 3)): 2, ("vjp", (2, 3, 3)): 2}), SHARD_CALLS
+    expected = jax.grad(_loss(_batch_solve_ref), (0, 1))(a, b)
+    for x, y in zip(actual, expected):
+        np.testing.assert_allclose(x, y, rtol=1e-10)
