@@ -408,6 +408,35 @@ def test_integer_residuals_allow_every_order():
     check_grads(op, (x, w), order=2, modes=("fwd", "rev"))
 
 
+class NormalizeJvpOnly(NormalizeTraceable):
+    """Only a traceable @jvp reading saved and result: JAX transposes it for reverse mode."""
+
+    pull = None
+
+
+def normalize_ref(x):
+    return x / jnp.linalg.norm(x)
+
+
+@pytest.mark.parametrize("op_class", [NormalizeTraceable, NormalizeJvpOnly])
+def test_traceable_rules_get_saved_and_result_as_jax_values(op_class):
+    x = jnp.array([3.0, -4.0, 1.0])
+    t = jnp.array([0.5, 1.0, -2.0])
+    op = op_class()
+    CALLS.clear()
+    grad = jax.block_until_ready(jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(op(x)))))(x))
+    assert CALLS == collections.Counter({("forward", True): 1}), dict(CALLS)
+    np.testing.assert_allclose(
+        grad, jax.grad(lambda x: jnp.sum(jnp.sin(normalize_ref(x))))(x), rtol=1e-12)
+    np.testing.assert_allclose(jax.jvp(op, (x,), (t,))[1],
+                               jax.jvp(normalize_ref, (x,), (t,))[1], rtol=1e-12)
+    xs = jnp.stack([x, 2 * x + 1, -x])
+    np.testing.assert_allclose(
+        jax.vmap(jax.grad(lambda x: op(x)[1]))(xs),
+        jax.vmap(jax.grad(lambda x: normalize_ref(x)[1]))(xs), rtol=1e-12)
+    jd.check(op, np.asarray(x))
+
+
 # ---------------------------------------------------------------------------
 # Composition: pytrees, vmap, scan, cond
 # ---------------------------------------------------------------------------
@@ -690,6 +719,28 @@ def test_eager_jvp_without_jvp_rule_fails_before_the_forward():
 def test_check_accepts_ops_with_residuals(op):
     a, b, _ = _inputs("float64")
     jd.check(op, a, b)
+
+
+def test_check_accepts_pytree_integer_and_result_only_ops():
+    jd.check(Polar(), _polar_inputs())
+    jd.check(SortedScale(), np.array([0.3, -1.2, 2.5]), np.array([1.0, 2.0, -1.0]))
+    jd.check(Softmax(), np.array([0.3, -1.2, 2.5]))
+
+
+class KeepsAView(Solve):
+    @jd.forward
+    def apply(self, a, b, *, saved=None):
+        x = Solve.apply(self, a, b, saved=saved)
+        if saved is not None:
+            self.kept = saved["lu"]  # a view of XLA's buffer, kept past the call
+        return x
+
+
+def test_a_kept_residual_view_is_named():
+    a, b, _ = _inputs("float64")
+    with pytest.raises(jd.BufferEscapeError, match=r"KeepsAView.apply \(@forward\) kept a "
+                                                   r"reference to saved\['lu'\]"):
+        jax.grad(_loss(KeepsAView()), (0, 1))(a, b)
 
 
 class HalfWritten(Solve):
