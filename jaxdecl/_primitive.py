@@ -4,8 +4,9 @@ A single primitive, ``jaxdecl_call``, stands for every rule of every op; its
 parameters say which:
 
 - ``op``: the :class:`~jaxdecl._op.BoundOp` (class + configuration);
-- ``rule``: ``forward``, ``jvp``, ``vjp``, ``transpose`` or ``transpose_wrt``
-  (operand orders in :mod:`jaxdecl._layout`);
+- ``rule``: ``forward``, ``forward_saving`` (the forward keeping its residuals,
+  see :mod:`jaxdecl._residuals`), ``jvp``, ``vjp``, ``transpose`` or
+  ``transpose_wrt`` (operand orders in :mod:`jaxdecl._layout`);
 - ``wrt``: the input index of a multilinear ``transpose_wrt`` (else -1);
 - ``primals``: per primal input, its (shape, dtype) per batch element, or for a
   pytree input a :class:`~jaxdecl._layout.TreeAval` (operands are its leaves);
