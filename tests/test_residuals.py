@@ -316,6 +316,17 @@ def test_forward_runs_once_per_derivative(op_class, name, jit, dtype):
         np.testing.assert_allclose(x, y, rtol=30 * tol(dtype), atol=30 * tol(dtype))
 
 
+@pytest.mark.parametrize("jac, rules", [(jax.jacfwd, {"jvp": 20}), (jax.jacrev, {"vjp": 4})])
+def test_jacobians_run_the_forward_once(jac, rules):
+    a, b, _ = _inputs("float64")
+    CALLS.clear()
+    actual = jax.block_until_ready(jax.jit(jac(Solve(), (0, 1)))(a, b))
+    # One forward; the batched derivative rule loops over the 4 * 4 + 4 (or 4) directions.
+    assert CALLS == collections.Counter({("forward", True): 1, **rules}), dict(CALLS)
+    for x, y in zip(actual, jac(solve_ref, (0, 1))(a, b)):
+        np.testing.assert_allclose(x, y, rtol=1e-10, atol=1e-14)
+
+
 @pytest.mark.parametrize("op_class", [Solve, SolveInto])
 def test_plain_calls_compute_no_residuals(op_class):
     a, b, t = _inputs("float64")
