@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.linalg
-from conftest import tol
+from conftest import needs_split, tol
 from jax.test_util import check_grads
 
 import jaxdecl as jd
@@ -932,6 +932,7 @@ def _batch_solve_ref(a, b):
     return jnp.linalg.solve(a, b[..., None])[..., 0]
 
 
+@needs_split
 def test_sharded_grad_keeps_residuals_per_device():
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -977,6 +978,7 @@ class BatchSolveUndeclared(BatchSolve, sharding="b n m, b n -> b n", replicate=(
     pass
 
 
+@needs_split
 def test_sharded_grad_without_residual_factors_names_the_fix():
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -993,7 +995,8 @@ def test_sharded_grad_without_residual_factors_names_the_fix():
         jax.jit(jax.grad(_loss(op), (0, 1)))(a_s, b)
 
 
-@pytest.mark.parametrize("where", ["shard_map", "explicit_axes"])
+@needs_split
+@pytest.mark.parametrize("where", ["shard_map", "explicit_axes", "explicit_axes_eager"])
 def test_residuals_under_shard_map_and_explicit_axes(where):
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -1009,9 +1012,9 @@ def test_residuals_under_shard_map_and_explicit_axes(where):
     if where == "shard_map":
         actual = jax.jit(jax.shard_map(grad, mesh=mesh, in_specs=(P("d"), P("d")),
                                        out_specs=(P("d"), P("d"))))(a_s, b_s)
-    else:
+    else:  # un-jitted too: each rule runs per shard
         with jax.set_mesh(mesh):
-            actual = jax.jit(grad)(a_s, b_s)
+            actual = (grad if where.endswith("eager") else jax.jit(grad))(a_s, b_s)
         assert actual[0].sharding.spec == P("d", None, None)
     jax.block_until_ready(actual)  # both devices' calls have finished
     assert collections.Counter(SHARD_CALLS) == collections.Counter(
