@@ -61,6 +61,13 @@ class ShardedTable(Table, sharding="n -> n"):
     """Table declared independent along its dim: it runs on each device's block."""
 
 
+def settle() -> None:
+    """Frees what is garbage now: cycles, and what dropped executables left to release."""
+    for _ in range(2):
+        gc.collect()
+        _dispatch.release_pending()
+
+
 def churn(eager: int, jitted: int, table_size: int = 1000, sharded: bool = False) -> dict:
     """Runs the create-call-drop cycles; returns what is left behind."""
     x = jnp.arange(4.0)
@@ -86,12 +93,12 @@ def churn(eager: int, jitted: int, table_size: int = 1000, sharded: bool = False
     for i in range(50):
         cycle(i, False)
         cycle(i, True)
-    gc.collect()
+    settle()
     kernels, sites = _dispatch.kernel_count(), _dispatch.call_site_count()
     rss, start = rss_mb(), time.perf_counter()
     refs = [cycle(i, False) for i in range(eager)]
     refs += [cycle(i, True) for i in range(jitted)]
-    gc.collect()
+    settle()
     return {
         "eager_ops": eager,
         "jit_ops": jitted,

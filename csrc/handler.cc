@@ -34,6 +34,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <mutex>
 #include <optional>
 #include <shared_mutex>
@@ -535,6 +536,54 @@ ffi::Error AsError(const std::string& error) {
 // Compiled call sites
 // ---------------------------------------------------------------------------
 
+// References that destroyed call sites leave for Python to drop.
+struct Graveyard {
+  std::mutex mutex;
+  std::vector<PyObject*> objects;
+  std::vector<KernelPtr> kernels;
+  bool scheduled = false;
+};
+
+Graveyard& graveyard() {
+  static Graveyard* instance = new Graveyard();  // outlives the interpreter
+  return *instance;
+}
+
+// A pending call: the interpreter runs it with the GIL, between bytecodes.
+int ReleaseGraveyard(void*) {
+  std::vector<PyObject*> objects;
+  std::vector<KernelPtr> kernels;
+  {
+    std::lock_guard<std::mutex> lock(graveyard().mutex);
+    objects.swap(graveyard().objects);
+    kernels.swap(graveyard().kernels);
+    graveyard().scheduled = false;
+  }
+  for (PyObject* object : objects) Py_DECREF(object);
+  kernels.clear();  // a Kernel's destructor takes the GIL itself; reentrant
+  return 0;
+}
+
+// Safe from any thread, with or without the GIL.  At exit the references
+// are left alone: there is no Python left to drop them.
+void ReleaseLater(std::initializer_list<PyObject*> objects, KernelPtr kernel) {
+  bool schedule = false;
+  {
+    std::lock_guard<std::mutex> lock(graveyard().mutex);
+    for (PyObject* object : objects) {
+      if (object != nullptr) graveyard().objects.push_back(object);
+    }
+    if (kernel != nullptr) graveyard().kernels.push_back(std::move(kernel));
+    schedule = !graveyard().scheduled;
+    graveyard().scheduled = true;
+  }
+  if (schedule && Py_IsInitialized() &&
+      Py_AddPendingCall(&ReleaseGraveyard, nullptr) != 0) {
+    std::lock_guard<std::mutex> lock(graveyard().mutex);
+    graveyard().scheduled = false;  // the queue is full: the next site retries
+  }
+}
+
 // One `jaxdecl_dispatch` call site of one instantiated executable: the kernel
 // it runs and the op instance that kernel calls, held strongly.  Ownership:
 // XLA's executable -> CallSite -> (Kernel, op instance).  The registry's own
@@ -542,7 +591,7 @@ ffi::Error AsError(const std::string& error) {
 // executable dropped); this one keeps the kernel runnable until XLA destroys
 // the executable, which it does only after the executable's last run.
 struct CallSite {
-  static ffi::TypeId id;  // assigned when the type is registered with XLA
+  static XLA_FFI_TypeId id;  // assigned when the type is registered with XLA
   Fingerprint fingerprint;
   std::string name;
   // Set once, under the GIL; read without it once `resolved` is true.
@@ -551,24 +600,20 @@ struct CallSite {
   PyObject* pin = nullptr;  // a strong reference to the op instance, or null
   ViewCache views;          // GIL held
 
+  // XLA destroys the state inside its own destructors (a cache being
+  // cleared, say), where running Python code (an op's finalizer, JAX's own
+  // caches) could re-enter what is being destroyed: the Python references
+  // are handed to the interpreter to drop at its next safe point instead.
   ~CallSite() {
     --live_call_sites;
     if (pin == nullptr && kernel == nullptr && views.inputs == nullptr) return;
-    if (!Py_IsInitialized()) {  // at exit: nothing left to release
-      new KernelPtr(std::move(kernel));  // never destroyed: it would need Python
-      return;
-    }
-    PyGILState_STATE gil = PyGILState_Ensure();
-    views.Clear();
-    Py_XDECREF(pin);
-    kernel.reset();  // the Kernel's destructor takes the GIL too; reentrant
-    PyGILState_Release(gil);
+    ReleaseLater({views.inputs, views.outputs, pin}, std::move(kernel));
   }
 
   static std::atomic<int64_t> live_call_sites;
 };
 
-ffi::TypeId CallSite::id = {};
+XLA_FFI_TypeId CallSite::id = {0};
 std::atomic<int64_t> CallSite::live_call_sites{0};
 
 // Finds a live registration for the site's fingerprint and pins its op.
@@ -612,21 +657,123 @@ std::string NotAvailable(const CallSite& site) {
          "and call it once (or trace the function again) before running it";
 }
 
+// ---------------------------------------------------------------------------
+// Per-executable state across XLA FFI API versions
+// ---------------------------------------------------------------------------
+
+// jaxdecl is built against the oldest FFI API it supports (0.1, see
+// csrc/third_party), so that one build loads next to every jaxlib.  Handlers
+// built so run on newer jaxlibs, but the arguments of the two calls that
+// set and read a handler's state changed layout after 0.1, so those two are
+// made here in the layout of the API version XLA reports at run time.
+struct StateArgsV1 {  // API 0.1 (State_Set also passes the deleter)
+  size_t struct_size;
+  XLA_FFI_Extension_Base* extension_start;
+  XLA_FFI_ExecutionContext* ctx;
+  XLA_FFI_TypeId* type_id;
+  void* state;
+  void (*deleter)(void* state);
+};
+struct StateArgsV2 {  // API 0.2 (the deleter comes with the registered type)
+  size_t struct_size;
+  XLA_FFI_Extension_Base* extension_start;
+  XLA_FFI_ExecutionContext* ctx;
+  XLA_FFI_TypeId* type_id;
+  void* state;
+};
+struct StateArgsV3 {  // API 0.3 onwards (states per execution stage)
+  size_t struct_size;
+  XLA_FFI_Extension_Base* extension_start;
+  XLA_FFI_ExecutionContext* ctx;
+  int stage;  // XLA_FFI_ExecutionStage; 0 is INSTANTIATE
+  XLA_FFI_TypeId* type_id;
+  void* state;
+};
+
+// What registering the state type with API >= 0.2 takes (XLA_FFI_TypeInfo).
+struct TypeInfoV2 {
+  size_t struct_size;
+  XLA_FFI_Extension_Base* extension_start;
+  void (*deleter)(void* object);
+};
+
+void DeleteCallSite(void* site) { delete static_cast<CallSite*>(site); }
+
+// The execution context as a handler argument: `.Ctx<StateAccess>()`.
+struct StateAccess {
+  const XLA_FFI_Api* api;
+  XLA_FFI_ExecutionContext* ctx;
+};
+
+int ApiMinor(const XLA_FFI_Api* api) { return api->api_version.minor_version; }
+
+using StateCall = XLA_FFI_Error* (*)(void* args);
+
+XLA_FFI_Error* SetState(const StateAccess& access, CallSite* site) {
+  auto set = reinterpret_cast<StateCall>(access.api->XLA_FFI_State_Set);
+  int minor = ApiMinor(access.api);
+  if (minor <= 1) {
+    StateArgsV1 args{sizeof(StateArgsV1), nullptr, access.ctx, &CallSite::id, site,
+                     &DeleteCallSite};
+    return set(&args);
+  }
+  if (minor == 2) {
+    StateArgsV2 args{sizeof(StateArgsV2), nullptr, access.ctx, &CallSite::id, site};
+    return set(&args);
+  }
+  StateArgsV3 args{sizeof(StateArgsV3), nullptr, access.ctx, 0, &CallSite::id, site};
+  return set(&args);
+}
+
+CallSite* GetState(const StateAccess& access) {
+  auto get = reinterpret_cast<StateCall>(access.api->XLA_FFI_State_Get);
+  XLA_FFI_Error* error = nullptr;
+  void* state = nullptr;
+  if (ApiMinor(access.api) <= 2) {
+    StateArgsV2 args{sizeof(StateArgsV2), nullptr, access.ctx, &CallSite::id, nullptr};
+    error = get(&args);
+    state = args.state;
+  } else {
+    StateArgsV3 args{sizeof(StateArgsV3), nullptr, access.ctx, 0, &CallSite::id, nullptr};
+    error = get(&args);
+    state = args.state;
+  }
+  if (error != nullptr) {
+    XLA_FFI_Error_Destroy_Args destroy{XLA_FFI_Error_Destroy_Args_STRUCT_SIZE, nullptr,
+                                       error};
+    access.api->XLA_FFI_Error_Destroy(&destroy);
+    return nullptr;
+  }
+  return static_cast<CallSite*>(state);
+}
+
 // Instantiation: once per call site when XLA builds or loads an executable.
 // A kernel this process does not have yet is looked up again when the site
 // first runs (an executable deserialized before its ops were created).
-ffi::ErrorOr<std::unique_ptr<CallSite>> Instantiate(int64_t hi, int64_t lo,
-                                                    std::string_view name) {
+ffi::Error Instantiate(StateAccess access, int64_t hi, int64_t lo,
+                       std::string_view name) {
   auto site = std::make_unique<CallSite>();
   ++CallSite::live_call_sites;
   site->fingerprint = {static_cast<uint64_t>(hi), static_cast<uint64_t>(lo)};
   site->name = std::string(name);
   Resolve(*site);
-  return site;
+  XLA_FFI_Error* error = SetState(access, site.get());
+  if (error != nullptr) {
+    XLA_FFI_Error_Destroy_Args destroy{XLA_FFI_Error_Destroy_Args_STRUCT_SIZE, nullptr,
+                                       error};
+    access.api->XLA_FFI_Error_Destroy(&destroy);
+    return ffi::Error(ffi::ErrorCode::kInternal,
+                      "jaxdecl: XLA refused the call site's state (" + site->name + ")");
+  }
+  site.release();  // XLA owns it now
+  return ffi::Error::Success();
 }
 
-ffi::Error Execute(CallSite* site, ffi::RemainingArgs args,
-                   ffi::RemainingRets rets) {
+// The attributes are the call site's (older APIs make every stage decode
+// them all); it already holds what they say.
+ffi::Error Execute(StateAccess access, int64_t, int64_t, std::string_view,
+                   ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  CallSite* site = GetState(access);
   if (site == nullptr) {
     return AsError("jaxdecl: the call site was not instantiated");
   }
@@ -831,18 +978,38 @@ namespace jaxdecl {
 
 int64_t CallSiteCount() { return CallSite::live_call_sites.load(); }
 
+void ReleasePending() { ReleaseGraveyard(nullptr); }
+
 void* CallSiteTypeId() { return &CallSite::id; }
 
 const void* CallSiteTypeInfo() {
-  static const XLA_FFI_TypeInfo info = ffi::MakeTypeInfo<CallSite>();
+  static const TypeInfoV2 info{sizeof(TypeInfoV2), nullptr, &DeleteCallSite};
   return &info;
 }
 
 }  // namespace jaxdecl
 
+namespace xla::ffi {
+
+// Decodes `.Ctx<jaxdecl::StateAccess>()`: the API and execution context, for
+// the state calls above.
+template <>
+struct CtxDecoding<jaxdecl::StateAccess> {
+  using Type = jaxdecl::StateAccess;
+
+  static std::optional<Type> Decode(const XLA_FFI_Api* api,
+                                    XLA_FFI_ExecutionContext* ctx,
+                                    DiagnosticEngine&) {
+    return jaxdecl::StateAccess{api, ctx};
+  }
+};
+
+}  // namespace xla::ffi
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxdeclInstantiate, jaxdecl::Instantiate,
     ffi::Ffi::BindInstantiate()
+        .Ctx<jaxdecl::StateAccess>()      // to hand XLA the call site
         .Attr<int64_t>("fingerprint_hi")  // which kernel: a stable fingerprint
         .Attr<int64_t>("fingerprint_lo")
         .Attr<std::string_view>("name"));  // Class.method, for messages
@@ -850,7 +1017,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxdeclDispatch, jaxdecl::Execute,
     ffi::Ffi::Bind()
-        .Ctx<ffi::State<jaxdecl::CallSite>>()  // resolved at instantiation
+        .Ctx<jaxdecl::StateAccess>()  // the call site, resolved at instantiation
+        .Attr<int64_t>("fingerprint_hi")
+        .Attr<int64_t>("fingerprint_lo")
+        .Attr<std::string_view>("name")
         .RemainingArgs()                        // the rule's operands, in order
         .RemainingRets());                      // the rule's results, in order
 

@@ -147,6 +147,8 @@ PYBIND11_MODULE(_dispatch, m) {
 
   m.def("element_types", &ElementTypes, "XLA element type codes by NumPy dtype name.");
   m.def("kernel_count", &jaxdecl::KernelCount, "How many kernels are registered now.");
+  m.def("release_pending", &jaxdecl::ReleasePending,
+        "Drops now the references that destroyed call sites left to drop later.");
   m.def("call_site_count", &jaxdecl::CallSiteCount,
         "How many call sites of live compiled executables hold a kernel.");
 }

@@ -81,6 +81,10 @@ int64_t KernelCount();
 // executables) exist; each holds its kernel and op until XLA drops it.
 int64_t CallSiteCount();
 
+// Drops now what destroyed call sites left for Python to drop at its next
+// safe point (their op instances and views).  GIL held.
+void ReleasePending();
+
 // The FFI type of the call-site state (its TypeId, filled in when the type
 // is registered with XLA, and its XLA_FFI_TypeInfo), for jax.ffi.
 void* CallSiteTypeId();

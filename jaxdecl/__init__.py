@@ -34,6 +34,7 @@ from ._declare import (
     forward,
     jvp,
     primitive,
+    residuals,
     sharding,
     transpose,
     vjp,
@@ -54,7 +55,7 @@ _compat.hide_frames(_os.path.dirname(__file__))
 
 __all__ = [
     "Primitive", "PrimitiveMeta", "primitive", "abstract", "forward", "jvp", "vjp",
-    "transpose", "adjoint", "batch", "sharding", "ShardingRule", "check", "cfunction",
+    "transpose", "adjoint", "batch", "sharding", "residuals", "ShardingRule", "check", "cfunction",
     "CFunction", "include_dir",
     "SUPPORTED_DTYPES", "DeclarationError",
     "MissingRuleError", "RuleError", "BufferEscapeError",

@@ -7,6 +7,11 @@ Linear ops map forward <-> ``transpose``; multilinear ops map forward <->
 ``transpose_wrt`` one input at a time. Each rule is linear (or multilinear) in
 some operands ("slots"); a tangent on any other operand needs a second
 derivative, which exists only for traceable rules.
+
+An op whose rules take ``saved=`` or ``result=`` binds ``forward_saving`` (or
+the plain forward, for ``result`` alone) *before* its ``jvp`` and passes the
+forward's outputs and residuals to the ``jvp``/``vjp`` equations as extras
+(see :mod:`jaxdecl._residuals`): one forward per derivative.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import jax.numpy as jnp
 
 from . import _compat
 from ._errors import MissingRuleError, missing_rule
-from ._layout import FORWARD, JVP, TRANSPOSE, TRANSPOSE_WRT, VJP
+from ._layout import FORWARD, FORWARD_SAVING, JVP, TRANSPOSE, TRANSPOSE_WRT, VJP, n_extra
 from ._primitive import bind_rule, broadcast_vmapped, jaxdecl_p
 
 Zero = _compat.Zero
@@ -72,21 +77,25 @@ def _second_order_form(op, rule, layout, primals):
     if other is None:
         return None
     n = len(layout.inputs)
+    # Extras (the forward's outputs, residuals) follow the slots; they pass through.
+    n_slots = len(layout.diff_indices) if rule == JVP else sum(layout.float_out)
     if rule == JVP:  # jvp(x, .) is the transpose of vjp(x, .)
         ct_avals = [layout.outputs[j] for j in layout.float_out_indices]
 
         def jvp_form(*operands):
-            xs, dxs = operands[:n], operands[n:]
+            xs, dxs, extras = operands[:n], operands[n:n + n_slots], operands[n + n_slots:]
             structs = [jax.ShapeDtypeStruct(s, d) for s, d in ct_avals]
-            return list(jax.linear_transpose(lambda *c: other(*xs, *c), *structs)(list(dxs)))
+            return list(jax.linear_transpose(lambda *c: other(*xs, *c, *extras),
+                                             *structs)(list(dxs)))
 
         return jvp_form
     dx_avals = [layout.inputs[i] for i in layout.diff_indices]
 
     def vjp_form(*operands):
-        xs, cts = operands[:n], operands[n:]
+        xs, cts, extras = operands[:n], operands[n:n + n_slots], operands[n + n_slots:]
         structs = [jax.ShapeDtypeStruct(s, d) for s, d in dx_avals]
-        return list(jax.linear_transpose(lambda *d: other(*xs, *d), *structs)(list(cts)))
+        return list(jax.linear_transpose(lambda *d: other(*xs, *d, *extras),
+                                         *structs)(list(cts)))
 
     return vjp_form
 
@@ -106,10 +115,10 @@ def jvp_rule(operands, tangents, *, op, rule, wrt, primals, batch):
     spec = op.spec
     layout = op.layout(primals)
     params = dict(primals=primals, batch=batch, wrt=wrt)
-    if rule == FORWARD:
+    if rule in (FORWARD, FORWARD_SAVING):
         _check_nondiff(op, layout, tangents[:len(layout.inputs)])
         if not spec.linear and not spec.multilinear:
-            return _jvp_nonlinear(op, layout, operands, tangents, primals, batch)
+            return _jvp_nonlinear(op, layout, operands, tangents, primals, batch, rule)
     elif rule in (TRANSPOSE, TRANSPOSE_WRT):
         lead = [i for i in range(len(layout.inputs)) if i != wrt] if rule == TRANSPOSE_WRT \
             else [i for i in range(len(layout.inputs)) if not layout.diff[i]]
@@ -156,25 +165,67 @@ def _is_float0(t) -> bool:
     return not _is_zero(t) and getattr(t, "dtype", None) == jax.dtypes.float0
 
 
-def _jvp_nonlinear(op, layout, operands, tangents, primals, batch):
-    n = len(layout.inputs)
+def _jvp_nonlinear(op, layout, operands, tangents, primals, batch, rule=FORWARD):
+    """The forward and its tangents; `rule` is ``forward_saving`` only at second order."""
     diff = layout.diff_indices
+    keeps = op.spec.keeps
     live = any(not _is_zero(tangents[i]) for i in diff)
     if not live or not any(layout.float_out):
-        outs = bind_rule(op, FORWARD, operands, primals, batch)
+        outs = bind_rule(op, rule, operands, primals, batch)
         return outs, [_compat.float0_zero(o.aval) for o in outs]
+    if rule == FORWARD_SAVING:
+        _refuse_residual_tangents(op, layout)
     dxs = [_compat.instantiate_zeros(tangents[i]) for i in diff]
     inline = op.traceable(JVP, primals)
-    if inline is not None and "vjp" not in op.spec.rules:
-        # JAX differentiates and transposes the traceable rule itself.
-        tangent_outs = broadcast_vmapped(inline, batch, n + len(dxs))(*operands, *dxs)
-    else:
+    inline = inline if "vjp" not in op.spec.rules else None  # else @vjp serves reverse mode
+    if keeps is None:
         # Bound before the forward so that a missing @jvp fails before any rule runs.
-        tangent_outs = bind_rule(op, JVP, list(operands) + dxs, primals, batch)
-    outs = bind_rule(op, FORWARD, operands, primals, batch)
+        tangent_outs = _tangents(op, inline, operands, dxs, (), primals, batch)
+        outs = bind_rule(op, FORWARD, operands, primals, batch)
+        extra_outs = []
+    else:
+        if inline is None and "jvp" not in op.spec.rules and \
+                not any(isinstance(d, _compat.Tracer) for d in dxs):
+            raise missing_rule(op.spec, JVP)  # eager forward mode: before the forward runs
+        # One forward: its outputs and residuals are the jvp's (and so the vjp's) extras.
+        saving = keeps.saved
+        all_outs = bind_rule(op, FORWARD_SAVING if saving else FORWARD, operands, primals,
+                             batch)
+        outs, extra_outs = all_outs[:len(layout.outputs)], all_outs[len(layout.outputs):]
+        extras = (list(outs) if keeps.result else []) + list(extra_outs)
+        tangent_outs = _tangents(op, inline, operands, dxs, extras, primals, batch)
     tangent_iter = iter(tangent_outs)
-    return outs, [next(tangent_iter) if f else _compat.float0_zero(o.aval)
-                  for f, o in zip(layout.float_out, outs)]
+    out_tangents = [next(tangent_iter) if f else _compat.float0_zero(o.aval)
+                    for f, o in zip(layout.float_out, outs)]
+    if rule == FORWARD:  # the residuals stay inside the derivative
+        return list(outs), out_tangents
+    # forward_saving (second order): its residuals are integers, with no tangent
+    return list(outs) + list(extra_outs), out_tangents + [
+        _compat.float0_zero(o.aval) for o in extra_outs]
+
+
+def _tangents(op, inline, operands, dxs, extras, primals, batch):
+    """The output tangents: the traceable @jvp inlined, or the jvp equation bound."""
+    operands = list(operands) + list(dxs) + list(extras)
+    if inline is not None:  # JAX differentiates and transposes the traceable rule itself
+        return broadcast_vmapped(inline, batch, len(operands))(*operands)
+    return bind_rule(op, JVP, operands, primals, batch)
+
+
+def _refuse_residual_tangents(op, layout) -> None:
+    """Second order through residuals: their derivative is unknown, so never silently zero."""
+    if any(_is_inexact(dtype) for _, dtype in layout.saved):
+        spec = op.spec
+        raise MissingRuleError(
+            f"{spec.name} keeps floating-point residuals ({spec.describe('residuals')}, "
+            f"@residuals), and JAX cannot differentiate what an opaque forward kept: second "
+            f"derivatives of {spec.name} (hessian, jvp of grad, grad of grad) need derivative "
+            f"rules that compute what they need from the inputs or from `result` instead of "
+            f"`saved`, declared traceable=True")
+
+
+def _is_inexact(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.inexact)
 
 
 # ---------------------------------------------------------------------------------------
@@ -230,26 +281,19 @@ def transpose_rule(cts, *operands, op, rule, wrt, primals, batch):
         out_cts[i] = bind_rule(op, TRANSPOSE_WRT, defined(others) + float_cts, wrt=i, **params)[0]
     elif rule == FORWARD:  # pragma: no cover - JAX only transposes linear equations
         raise ValueError(f"{spec.name} is not linear; its forward cannot be transposed")
-    elif rule == JVP:
+    elif rule in (JVP, VJP):
+        # jvp and vjp transpose into each other; the extras (outputs, residuals) pass along.
+        other = VJP if rule == JVP else JVP
         xs = defined(range(n))
-        inline = op.traceable(VJP, primals)
+        extras = defined(range(len(operands) - n_extra(spec, layout, rule), len(operands)))
+        args = xs + float_cts + extras
+        inline = op.traceable(other, primals)
         if inline is not None:
-            results = broadcast_vmapped(inline, batch, n + len(float_cts))(*xs, *float_cts)
-        elif "vjp" in spec.rules:
-            results = bind_rule(op, VJP, xs + float_cts, **params)
+            results = broadcast_vmapped(inline, batch, len(args))(*args)
+        elif other in spec.rules:
+            results = bind_rule(op, other, args, **params)
         else:
-            raise missing_rule(spec, VJP)
-        for k, r in zip(range(n, len(operands)), results):
-            out_cts[k] = r
-    elif rule == VJP:
-        xs = defined(range(n))
-        inline = op.traceable(JVP, primals)
-        if inline is not None:
-            results = broadcast_vmapped(inline, batch, n + len(float_cts))(*xs, *float_cts)
-        elif "jvp" in spec.rules:
-            results = bind_rule(op, JVP, xs + float_cts, **params)
-        else:
-            raise missing_rule(spec, JVP)
+            raise missing_rule(spec, other)
         for k, r in zip(range(n, len(operands)), results):
             out_cts[k] = r
     elif rule == TRANSPOSE:

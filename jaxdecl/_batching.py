@@ -10,6 +10,8 @@ transpose) batch the same way, so users write no batching code for them.
 
 A user ``@batch`` rule handles the forward; a linear op's ``transpose`` is then
 batched as the transpose of that batched forward, so one rule serves both.
+The forward that keeps residuals for a derivative (``forward_saving``) is
+batched like the derivative rules: a ``@batch`` rule returns outputs only.
 """
 
 from __future__ import annotations

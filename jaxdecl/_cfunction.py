@@ -60,12 +60,15 @@ class CFunction:
         (True, 'demo')
     """
 
-    def __init__(self, function, *, keepalive=None, name: str | None = None):
+    def __init__(self, function, *, keepalive=None, name: str | None = None,
+                 saved: bool = False, result: bool = False):
         self.address = _address_of(function)
         if not self.address:
             raise ValueError("jd.cfunction: the function pointer is NULL")
         self.keepalive = function if keepalive is None else keepalive
         self.__name__ = name or getattr(function, "__name__", "c_kernel")
+        # The keyword arguments a Python rule would take (see jaxdecl._residuals).
+        self.takes = frozenset(k for k, on in (("saved", saved), ("result", result)) if on)
 
     def __repr__(self) -> str:
         return f"<jd.cfunction {self.__name__} at {self.address:#x}>"
@@ -81,7 +84,8 @@ class CFunction:
             raise RuntimeError(f"{self.__name__}: {error}")
 
 
-def cfunction(function, *, keepalive=None, name: str | None = None) -> CFunction:
+def cfunction(function, *, keepalive=None, name: str | None = None, saved: bool = False,
+              result: bool = False) -> CFunction:
     """Wraps a C function with jaxdecl.h's ``jaxdecl_kernel`` signature as a rule.
 
     XLA's handler then calls it directly on XLA's buffers, without the GIL and
@@ -100,6 +104,14 @@ def cfunction(function, *, keepalive=None, name: str | None = None) -> CFunction
         library); kept as long as the kernel is registered. Defaults to
         `function`.
       name: the rule's name in messages.
+      saved: the kernel takes the residuals (``@jd.residuals``): as ``@forward``
+        it receives, when a derivative follows, the residual buffers after its
+        output buffers (in the residual pytree's leaf order) and fills them; on
+        a plain call it receives its outputs only, so ``num_outputs`` tells the
+        two apart. As ``@jvp``/``@vjp`` it receives them, read only, after its
+        usual operands (and after the forward's outputs, with `result`).
+      result: the kernel (a ``@jvp``/``@vjp``) receives the forward's output
+        buffers (all of them, integer ones too) after its usual operands.
 
     Returns:
       A :class:`CFunction`, to pass to a rule decorator.
@@ -129,4 +141,4 @@ def cfunction(function, *, keepalive=None, name: str | None = None) -> CFunction
         >>> jax.jit(Negate())(np.arange(3, dtype=np.int32)).tolist()
         [0, -1, -2]
     """
-    return CFunction(function, keepalive=keepalive, name=name)
+    return CFunction(function, keepalive=keepalive, name=name, saved=saved, result=result)

@@ -6,8 +6,12 @@ import jax
 import numpy as np
 
 from . import _layout, _structure
+from ._cfunction import CFunction
 from ._errors import RuleError
-from ._op import flatten_inputs, handle_of, spec_of
+from ._layout import FORWARD_SAVING
+from ._op import BoundOp, flatten_inputs, handle_of, spec_of
+from ._primitive import bind_rule
+from ._residuals import settle
 
 _DOT_RTOL = {"float16": 3e-2, "bfloat16": 3e-2, "float32": 2e-4, "complex64": 2e-4}
 _FD_RTOL = {"float16": 1e-1, "bfloat16": 1e-1, "float32": 2e-2, "complex64": 2e-2}
@@ -43,6 +47,11 @@ def check(op, *args, rtol: float | None = None, seed: int = 0) -> None:
     tangent map by the dot-product test ⟨ct, J t⟩ = ⟨Jᵀ ct, t⟩ (pairing
     Re Σ a·b); and ``vmap`` against a loop.
 
+    An op with ``@jd.residuals`` also has its forward checked for writing
+    every element of every residual, and for returning the same outputs with
+    and without ``saved``; the derivative checks run through the rules that
+    read ``saved`` (and ``result``), as ``grad`` and ``jvp`` do.
+
     Args:
       op: a jaxdecl op instance.
       *args: example inputs (arrays, scalars or pytrees of them).
@@ -54,7 +63,8 @@ def check(op, *args, rtol: float | None = None, seed: int = 0) -> None:
     declaration verified: the inputs are cut in two along each factor the
     rules may split (independent and ``reduce`` ones), the op runs on each
     half, and the halves' results, joined (or summed, for ``reduce``), must
-    equal the whole op's.
+    equal the whole op's; so must the halves' residuals, joined, where the
+    declaration gives them factors (``residuals=``).
 
     Example:
         >>> import jax, numpy as np, jaxdecl as jd
@@ -95,6 +105,14 @@ def check(op, *args, rtol: float | None = None, seed: int = 0) -> None:
     resolved = handle_of(op).sharding(primals, op)
     if resolved is not None:
         _check_sharding(spec, leaves, layout, resolved, eager, dot_rtol, call)
+        if resolved.saved is not None:
+            def residuals_of(flat):  # what the forward keeps when a derivative follows
+                operands, primals = flatten_inputs(spec, tree.unflatten(list(flat)))
+                kept = bind_rule(BoundOp(handle_of(op), op), FORWARD_SAVING, operands,
+                                 primals, ())
+                return [np.asarray(r) for r in kept[len(layout.outputs):]]
+
+            _check_residual_sharding(spec, leaves, layout, resolved, dot_rtol, residuals_of)
 
 
 def _check_forward(spec, op, args, tree, layout, call):
@@ -106,26 +124,65 @@ def _check_forward(spec, op, args, tree, layout, call):
             f"jd.check: {spec.describe('abstract')} (@abstract) disagrees with "
             f"{spec.describe('forward')} (@forward): {error}"
         ) from None
-    if forward.zero_copy:
-        # Run the rule twice on outputs pre-filled with different values: an
-        # element the rule never writes keeps its fill value.
+    takes_saved = spec.keeps is not None and "saved" in spec.keeps.takes.get("forward", ())
+    if forward.zero_copy or layout.saved:
+        # Run the rule twice on outputs (and residuals) pre-filled with different
+        # values: an element the rule never writes keeps its fill value.
         results = []
         for fill in (0, 1):
             outs = tuple(np.full(shape, fill, dtype) for shape, dtype in layout.outputs)
-            views = _structure.pack(layout.out_groups, outs)
-            forward.bind(op)(*tree.unflatten([a.copy() for a in args]),
-                             out=views[0] if layout.single_output else tuple(views))
-            results.append(outs)
+            saved = tuple(np.full(shape, fill, dtype) for shape, dtype in layout.saved)
+            returned = _run_forward(forward, op, [a.copy() for a in args], tree, layout, outs,
+                                    saved, takes_saved)
+            results.append((outs if forward.zero_copy else returned) + saved)
+        names = layout.output_names + layout.saved_names
         for index, (a, b) in enumerate(zip(*results)):
+            if index < len(layout.outputs) and not forward.zero_copy:
+                continue
             unwritten = np.asarray(a != b)
             if unwritten.any():
                 raise AssertionError(
                     f"jd.check: {spec.describe('forward')} (@forward) leaves "
                     f"{int(unwritten.sum())} of {unwritten.size} elements of "
-                    f"{layout.output_names[index]} "
-                    f"unwritten"
+                    f"{names[index]} unwritten"
+                    + (" when a derivative follows (saved= is given)" if layout.saved else "")
                 )
+        if layout.saved:
+            for index, (a, b) in enumerate(zip(results[0], eager)):
+                if not np.allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=0,
+                                   equal_nan=True):
+                    raise AssertionError(
+                        f"jd.check: {spec.describe('forward')} (@forward) returns a different "
+                        f"{layout.output_names[index]} when given saved= than without it")
     return eager
+
+
+def _run_forward(forward, op, args, tree, layout, outs, saved, takes_saved) -> tuple:
+    """Calls the user's forward on NumPy arrays; returns its outputs as flat leaves."""
+    if isinstance(forward.function, CFunction):  # flat buffers: outputs, then residuals
+        forward.function(*args, out=outs + saved)
+        return outs
+    keywords = {}
+    if takes_saved:
+        keywords["saved"] = _structure.pack((layout.saved_group,), saved)[0] \
+            if saved else None
+    inputs = tree.unflatten(args)
+    if forward.zero_copy:
+        views = _structure.pack(layout.out_groups, outs)
+        returned = forward.bind(op)(
+            *inputs, out=views[0] if layout.single_output else tuple(views), **keywords)
+    else:
+        returned = forward.bind(op)(*inputs, **keywords)
+    if saved:  # residuals the rule rebound (saved["lu"] = lu) count as written
+        settle(keywords["saved"], layout.saved_group, saved, layout.saved_names,
+               f"{op.__jaxdecl_spec__.describe('forward')} (@forward)")
+    if forward.zero_copy:
+        return outs
+    values = (returned,) if layout.single_output else tuple(returned)
+    flat = []
+    for group, value in zip(layout.out_groups, values):
+        flat += [value] if group.tree is None else group.tree.flatten_up_to(value)
+    return tuple(np.asarray(v) for v in flat)
 
 
 def _check_jit(spec, args, eager, rtol, call):
@@ -250,6 +307,33 @@ def _check_sharding(spec, args, layout, resolved, whole, rtol, call):
                 f"{layout.output_names[index]} (max error {error:.3g}). If the rule needs "
                 f"the whole of that factor, list it in replicate="
             )
+
+
+def _check_residual_sharding(spec, args, layout, resolved, rtol, residuals_of):
+    """The residuals of two slices along each splittable factor, joined, against the whole."""
+    whole = residuals_of(args)
+    for factor, size in resolved.sizes.items():
+        if factor in resolved.replicate or size < 2:
+            continue
+        halves = (slice(0, size // 2), slice(size // 2, size))
+        pieces = [residuals_of([_cut(a, names, factor, part)
+                                for a, names in zip(args, resolved.inputs)]) for part in halves]
+        for index, names in enumerate(resolved.saved):
+            joined = np.concatenate([pieces[0][index], pieces[1][index]],
+                                    axis=names.index(factor))
+            expected = whole[index]
+            scale = max(float(np.max(np.abs(expected), initial=0)), 1.0)
+            if joined.shape == expected.shape and np.allclose(
+                    joined, expected, rtol=max(rtol, 1e-6), atol=max(rtol, 1e-6) * scale,
+                    equal_nan=True):
+                continue
+            label = factor if not factor.startswith("...") else \
+                f"leading dim {factor[3:]} ('...')"
+            raise AssertionError(
+                f"jd.check: {spec.name}'s sharding declaration is wrong for residual "
+                f"{layout.saved_names[index]}: keeping it per slice along factor {label!r} and "
+                f"joining differs from what {spec.describe('forward')} keeps for the whole. If "
+                f"the residual needs the whole of that factor, list it in replicate=")
 
 
 def _cut(value, names, factor, part):

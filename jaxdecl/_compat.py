@@ -2,7 +2,20 @@
 
 jaxdecl emits its own JAX primitive, which needs JAX's autodiff, batching and
 lowering registries; they live in modules JAX does not promise to keep stable.
-Everything version-specific is imported or shimmed here.
+Everything version-specific is imported or shimmed here, for every JAX from
+0.6 on; no other module imports ``jax._src`` or looks at a version
+(``tests/test_layers.py`` checks). What needs a newer JAX is a feature flag:
+
+- :data:`SPLITS_PER_SHARD`: Shardy rules with reduction and replication
+  factors (JAX 0.7), needed to run a sharding declaration per shard under
+  ``jit``; and :func:`shardy_enabled` (the default from JAX 0.7).
+- :data:`EXPLICIT_REDUCTIONS`: a ``psum`` inside a per-shard function over
+  Explicit mesh axes (XLA fails on it before JAX 0.9).
+
+Example:
+    >>> from jaxdecl import _compat
+    >>> isinstance(_compat.JAX_VERSION, tuple)
+    True
 """
 
 from __future__ import annotations
@@ -17,6 +30,10 @@ try:  # jax >= 0.4.36
 except ImportError:  # pragma: no cover - older jax
     from jax.core import Primitive
 
+#: The running JAX's version, as text (for messages) and as a comparable tuple.
+JAX_VERSION_TEXT = jax.__version__
+JAX_VERSION = tuple(int(part) for part in JAX_VERSION_TEXT.split(".")[:3] if part.isdigit())
+
 Zero = ad.Zero
 UndefinedPrimal = ad.UndefinedPrimal
 is_undefined_primal = ad.is_undefined_primal
@@ -30,7 +47,8 @@ get_aval = jax.typeof
 __all__ = [
     "Primitive", "Zero", "UndefinedPrimal", "is_undefined_primal", "instantiate_zeros",
     "not_mapped", "Tracer", "JaxRuntimeError", "ad", "batching", "mlir", "ir", "shard_map",
-    "has_explicit_axes",
+    "has_explicit_axes", "JAX_VERSION", "JAX_VERSION_TEXT", "SPLITS_PER_SHARD",
+    "EXPLICIT_REDUCTIONS", "shardy_enabled", "all_axes_manual",
     "forbid_host_transfers", "restore_host_transfers", "float0_zero", "not_tracing",
     "hold_weakly_in_caches",
     "get_aval", "hide_frames", "register_ffi_state_type",
@@ -47,6 +65,26 @@ NamedSharding = jax.sharding.NamedSharding
 P = jax.sharding.PartitionSpec
 psum = jax.lax.psum
 ShardingTypeError = _core.ShardingTypeError
+
+
+#: Shardy rules that name reduction and replication factors (JAX >= 0.7).
+SPLITS_PER_SHARD = "need_replication_factors" in getattr(
+    getattr(sdy, "SdyShardingRule", None), "__init__", lambda: None).__code__.co_varnames
+#: A psum inside a per-shard function over Explicit axes compiles (JAX >= 0.9).
+EXPLICIT_REDUCTIONS = JAX_VERSION >= (0, 9)
+
+
+def shardy_enabled() -> bool:
+    """True when JAX lowers shardings to Shardy (the default from JAX 0.7)."""
+    return bool(getattr(jax.config, "jax_use_shardy_partitioner", False))
+
+
+def all_axes_manual(mesh) -> bool:
+    """True when every axis of `mesh` is manual (inside ``shard_map``)."""
+    value = getattr(mesh, "are_all_axes_manual", None)
+    if value is None:  # JAX < 0.7
+        value = getattr(mesh, "_are_all_axes_manual", False)
+    return bool(value)
 
 
 def shard_map(function, mesh, in_specs, out_specs):
@@ -88,7 +126,10 @@ def insert_reshards(args) -> list:
     The inserted ``pvary`` transposes to a ``psum``: the gradient of an input
     replicated across ``shard_map`` sums over the devices.
     """
-    return list(_core.auto_insert_reshard(*args))
+    insert = getattr(_core, "auto_insert_reshard", None)
+    if insert is None:  # JAX < 0.10
+        insert = _core.standard_insert_pvary
+    return list(insert(*args))
 
 
 def sharded_aval(shape, dtype, mesh, spec, varying=frozenset()):
@@ -97,8 +138,10 @@ def sharded_aval(shape, dtype, mesh, spec, varying=frozenset()):
 
     sharding = NamedSharding(mesh, P(*spec))
     if varying:
-        return ShapedArray(shape, dtype, sharding=sharding,
-                           manual_axis_type=_core.ManualAxisType(varying=frozenset(varying)))
+        if hasattr(_core, "ManualAxisType"):  # JAX >= 0.10
+            return ShapedArray(shape, dtype, sharding=sharding,
+                               manual_axis_type=_core.ManualAxisType(varying=frozenset(varying)))
+        return ShapedArray(shape, dtype, sharding=sharding, vma=frozenset(varying))
     return ShapedArray(shape, dtype, sharding=sharding)
 
 

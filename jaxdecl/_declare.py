@@ -13,13 +13,14 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from . import _signatures
+from . import _residuals, _signatures
 from ._cfunction import CFunction
 from ._errors import DeclarationError
 from ._op import apply_op, spec_of  # noqa: F401 - spec_of re-exported
 from ._sharding import ShardingRule, from_options
 
-RULE_KINDS = ("abstract", "forward", "jvp", "vjp", "transpose", "adjoint", "batch", "sharding")
+RULE_KINDS = ("abstract", "forward", "jvp", "vjp", "transpose", "adjoint", "batch", "sharding",
+              "residuals")
 _MARK = "__jaxdecl_rule__"
 BATCH_MODES = ("loop", "vectorized")
 
@@ -270,6 +271,39 @@ Example:
 """)
 
 
+residuals = _make_decorator("residuals", """Marks the method that declares what the forward keeps.
+
+It sees the inputs as ``jax.ShapeDtypeStruct`` (as ``@abstract`` does) and
+returns a pytree of them, any dtype. The ``@forward`` then takes a
+keyword-only ``saved``: writable views of those arrays to fill when a
+derivative follows, ``None`` on a plain call (nothing is allocated then). A
+``@jvp`` or ``@vjp`` that adds the keyword-only ``saved`` receives them, read
+only; one that adds ``result`` receives the forward's output. Under ``grad``,
+``vjp``, ``jvp`` and ``linearize`` the forward then runs once per evaluation.
+
+Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxdecl as jd
+    >>> class Normalize(jd.Primitive):
+    ...     @jd.abstract
+    ...     def shapes(self, x):
+    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    ...     @jd.residuals
+    ...     def keeps(self, x):
+    ...         return {"norm": jax.ShapeDtypeStruct((), x.dtype)}
+    ...     @jd.forward
+    ...     def apply(self, x, *, saved=None):
+    ...         norm = np.linalg.norm(x)
+    ...         if saved is not None:
+    ...             saved["norm"][...] = norm
+    ...         return x / norm
+    ...     @jd.vjp
+    ...     def pull(self, x, ct, *, saved, result):
+    ...         return (ct - result * np.dot(result, ct)) / saved["norm"]
+    >>> jax.grad(lambda x: Normalize()(x)[0])(jnp.array([3.0, 4.0])).tolist()
+    [0.128, -0.096]
+""")
+
+
 @dataclasses.dataclass(frozen=True)
 class OpSpec:
     """Everything jaxdecl knows about a primitive class, collected once."""
@@ -283,6 +317,7 @@ class OpSpec:
     nondiff: frozenset
     batch_mode: str
     sharding: ShardingRule | None = None  # from the class options (else maybe @sharding)
+    keeps: _residuals.Keeps | None = None  # residuals and result= (None: no rule uses them)
 
     def rule(self, kind: str) -> Rule | None:
         return self.rules.get(kind)
@@ -293,7 +328,10 @@ class OpSpec:
         return f"{self.name}.{rule.name}" if rule else f"{self.name} (@{kind})"
 
 
-_SHARDING_OPTIONS = ("sharding", "replicate", "reduce")
+# The options that make up a sharding declaration: a subclass that declares
+# sharding anew replaces all of them (replicate=, reduce= and residuals= name
+# the factors of the parent's rule).
+_SHARDING_OPTIONS = ("sharding", "replicate", "reduce", "residuals")
 _OPTIONS = ("linear", "multilinear", "nondiff", "batch") + _SHARDING_OPTIONS
 
 
@@ -360,7 +398,8 @@ def build_spec(cls, options: dict[str, Any]) -> OpSpec:
         rules[rule.kind] = rule
 
     for rule in rules.values():
-        if isinstance(rule.function, CFunction) and rule.kind in ("abstract", "batch"):
+        if isinstance(rule.function, CFunction) and rule.kind in ("abstract", "batch",
+                                                                  "residuals"):
             raise DeclarationError(f"{name}: @{rule.kind} must be a Python method, not a C kernel")
     if "sharding" in rules and isinstance(rules["sharding"].function, CFunction):
         raise DeclarationError(f"{name}: @sharding must be a Python method, not a C kernel")
@@ -450,9 +489,13 @@ def build_spec(cls, options: dict[str, Any]) -> OpSpec:
         raise DeclarationError(f"{name}.{rules['sharding'].name}: @sharding cannot take `out`")
     _signatures.check_rules(name, rules, transposes_wrt, params, nondiff)
 
+    keeps = _residuals.declare(name, rules, transposes_wrt, params, linear or multilinear,
+                               _signatures.method_inputs)
+
     return OpSpec(
         name=name, params=params, rules=rules, transposes_wrt=transposes_wrt, linear=linear,
         multilinear=multilinear, nondiff=nondiff, batch_mode=batch_mode, sharding=declared,
+        keeps=keeps,
     )
 
 
@@ -483,14 +526,18 @@ _RULES_AND_OPTIONS = """
             of them, or a pytree of them.
         ``@jd.forward`` ``(self, x1, x2)`` or ``(self, x1, x2, *, out)``
             Required. The result(s), computed on read-only NumPy views of XLA's
-            buffers; the zero-copy form fills ``out`` and returns None.
+            buffers; the zero-copy form fills ``out`` and returns None. With
+            ``@jd.residuals`` it also takes ``*, saved=None``.
         ``@jd.jvp`` ``(self, x1, x2, dx1, dx2)``
             Forward mode: the output tangent(s), from one tangent per
             differentiable input. ``@jd.jvp(traceable=True)``: a rule written
-            with ``jax.numpy`` that JAX differentiates again.
+            with ``jax.numpy`` that JAX differentiates again. It may add the
+            keyword-only ``result`` (the forward's output) and ``saved`` (the
+            residuals).
         ``@jd.vjp`` ``(self, x1, x2, ct)``
             Reverse mode: the input cotangent(s), from one cotangent per
-            floating output. ``traceable=True`` as for ``@jvp``.
+            floating output. ``traceable=True``, ``result`` and ``saved`` as
+            for ``@jvp``.
         ``@jd.transpose`` ``(self, <nondiff inputs>, ct)``
             A linear op's transpose: the cotangent(s) of its linear inputs. A
             multilinear op has one ``@jd.transpose(wrt="x1")`` taking
@@ -503,6 +550,11 @@ _RULES_AND_OPTIONS = """
         ``@jd.sharding`` ``(self, x1, x2)``
             The sharding declaration as a method, from the inputs' shapes:
             returns a :class:`~jaxdecl.ShardingRule`.
+        ``@jd.residuals`` ``(self, x1, x2)``
+            What the forward keeps for the derivative rules, from the inputs'
+            shapes: a pytree of ``jax.ShapeDtypeStruct``. The ``@forward``
+            then takes ``*, saved=None`` and fills it when a derivative
+            follows, so that the forward runs once per derivative.
 
     Class options:
         ``linear=True``
@@ -527,6 +579,10 @@ _RULES_AND_OPTIONS = """
             Factors the rules need whole (gathered first when split).
         ``reduce=("k",)``
             Factors the rules sum over (partial results are added up).
+        ``residuals={"lu": "b n m"}``
+            The residuals' factors, a pytree of factor strings shaped like
+            ``@jd.residuals``' result, so that each device keeps those of its
+            own block.
 """
 
 

@@ -48,3 +48,6 @@ def kernel_count() -> int:
 
 def call_site_count() -> int:
     """How many call sites of live compiled executables hold a kernel."""
+
+def release_pending() -> None:
+    """Drops now the references that destroyed call sites left to drop later."""

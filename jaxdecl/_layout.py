@@ -5,18 +5,24 @@ says which user rule an equation stands for. The primitive sees arrays only:
 an input that is a pytree contributes its leaves, in JAX's flattening order.
 Each rule has a fixed order of those flat operands:
 
-=================  ============================================  ==========================
-rule               operands                                      results
-=================  ============================================  ==========================
-``forward``        all input leaves                              all output leaves
-``jvp``            all input leaves, tangents of diff. leaves    tangents of float leaves
-``vjp``            all input leaves, cotangents of float leaves  cotangents of diff. leaves
-``transpose``      non-differentiable inputs, cotangents         cotangents of diff. leaves
-``transpose_wrt``  all inputs but ``wrt``, cotangents            cotangent of ``wrt``
-=================  ============================================  ==========================
+==================  ============================================  ==========================
+rule                operands                                      results
+==================  ============================================  ==========================
+``forward``         all input leaves                              all output leaves
+``forward_saving``  all input leaves                              all output leaves, residuals
+``jvp``             all input leaves, tangents of diff. leaves    tangents of float leaves
+``vjp``             all input leaves, cotangents of float leaves  cotangents of diff. leaves
+``transpose``       non-differentiable inputs, cotangents         cotangents of diff. leaves
+``transpose_wrt``   all inputs but ``wrt``, cotangents            cotangent of ``wrt``
+==================  ============================================  ==========================
 
 "Differentiable" means floating or complex and not in an input listed in
-``nondiff=``; "float" outputs are the floating or complex ones.
+``nondiff=``; "float" outputs are the floating or complex ones. "Residuals"
+are the leaves of what ``@jd.residuals`` declares (see :mod:`jaxdecl._residuals`).
+An op whose derivative rules take ``result=`` or ``saved=`` has its ``jvp``
+and ``vjp`` operands followed by *extras*: all output leaves (when some rule
+takes ``result``), then the residuals (when the op declares them). The rules
+receive them as keyword arguments, :class:`Keyword` says how.
 
 The user's rule sees *arguments*, not leaves: a :class:`Group` says how one
 argument is rebuilt from flat operands (and one result flattened back). The
@@ -37,6 +43,7 @@ from . import _dtypes
 from ._errors import RuleError
 
 FORWARD, JVP, VJP, TRANSPOSE, TRANSPOSE_WRT = "forward", "jvp", "vjp", "transpose", "transpose_wrt"
+FORWARD_SAVING = "forward_saving"
 
 Aval = tuple  # (shape: tuple[int, ...], dtype: np.dtype), hashable
 
@@ -105,6 +112,9 @@ class Layout:
     input_names: tuple  # per input leaf, for messages: "x" or "params['a']"
     output_names: tuple  # per output leaf: "output", "output 1" or "output['a']"
     leaf_param: tuple  # per input leaf: index of its argument
+    saved: tuple = ()  # Avals of the residual leaves (@jd.residuals); () without
+    saved_group: Group | None = None  # the residuals' pytree over slots 0..len(saved)-1
+    saved_names: tuple = ()  # per residual leaf: "saved" or "saved['lu']"
 
     @property
     def diff_indices(self) -> tuple:
@@ -139,6 +149,32 @@ class RuleIO:
     results: tuple = ()  # Groups: how its return value maps to flat results
     structured: bool = False  # some group is a pytree: see jaxdecl._structure
     zeros_ok: bool = False  # None stands for a zero result (cotangents)
+    keywords: tuple = ()  # Keywords: the rule's keyword-only `saved`/`result` arguments
+    n_extra: int = 0  # trailing operands that are extras (result, residuals), not positional
+
+
+OPERANDS, RESULTS = "operands", "results"
+
+
+@dataclasses.dataclass(frozen=True)
+class Keyword:
+    """A keyword-only argument of a rule (``saved=``, ``result=``) and where it comes from.
+
+    `source` is :data:`OPERANDS` (read-only views of the rule's operands),
+    :data:`RESULTS` (writable views of its results: the residuals a
+    ``forward_saving`` kernel fills), or None (the argument is ``None``: a
+    plain forward's ``saved``). `groups` are over those flat values; the
+    argument is the one group's value when `single`, else a tuple of them.
+    """
+
+    name: str
+    groups: tuple = ()
+    single: bool = True
+    source: str | None = None
+
+
+def _shifted(groups, offset: int) -> tuple:
+    return tuple(Group(g.tree, tuple(s + offset for s in g.slots)) for g in groups)
 
 
 def _label(name: str, path) -> str:
@@ -198,13 +234,31 @@ def compute_layout(spec, instance, inputs: tuple) -> Layout:
         for p, (_, dtype) in zip(leaf_param, leaves)
     )
     float_out = tuple(_dtypes.is_differentiable(dtype) for _, dtype in outputs)
+    saved, saved_group, saved_names = _residual_avals(spec, instance, structs)
     layout = Layout(tuple(leaves), tuple(outputs), single, diff, float_out, tuple(in_groups),
-                    tuple(out_groups), tuple(names), tuple(out_names), tuple(leaf_param))
+                    tuple(out_groups), tuple(names), tuple(out_names), tuple(leaf_param),
+                    saved, saved_group, saved_names)
     if layout.structured and spec.multilinear and any(g.tree is not None for g in in_groups):
         raise RuleError(
             f"{spec.name} is multilinear=True: its inputs must be arrays, not pytrees "
             f"(it is linear in each input separately, so each is one array)")
     return layout
+
+
+def _residual_avals(spec, instance, structs) -> tuple:
+    """``(avals, group, names)`` of what ``@jd.residuals`` declares (empty without one)."""
+    rule = spec.rules.get("residuals")
+    if rule is None:
+        return (), None, ()
+    context = f"{spec.name}.{rule.name} (@residuals)"
+    value = rule.bind(instance)(*structs)
+    with_paths, tree = _flatten_structs(value, "saved", context)
+    avals, names = [], []
+    for path, struct in with_paths:
+        label = _label("saved", path)
+        avals.append(_output_aval(struct, label, context))
+        names.append(label)
+    return tuple(avals), Group(tree, tuple(range(len(avals)))), tuple(names)
 
 
 def _output_aval(struct, label: str, context: str) -> Aval:
@@ -239,6 +293,48 @@ def _tangent_groups(groups, has_tangent, first_slot: int) -> tuple:
 
 def rule_io(spec, layout: Layout, rule: str, wrt: int) -> RuleIO:
     """The operands/results of `rule` at `layout` (see the module table)."""
+    keeps = spec.keeps
+    if keeps is None:  # no rule takes saved= or result=: the plain table
+        return _rule_io(spec, layout, rule, wrt)
+    if rule == FORWARD_SAVING:
+        io = _rule_io(spec, layout, FORWARD, wrt)
+        m, k = len(layout.outputs), len(layout.saved)
+        saved = Keyword("saved", _shifted((layout.saved_group,), m), True, RESULTS)
+        return dataclasses.replace(
+            io, out_names=io.out_names + layout.saved_names,
+            out_avals=io.out_avals + layout.saved, real_results=(False,) * (m + k),
+            keywords=(saved,))
+    io = _rule_io(spec, layout, rule, wrt)
+    takes = keeps.takes.get(rule, frozenset())
+    if rule == FORWARD:
+        return dataclasses.replace(io, keywords=(Keyword("saved"),)) if takes else io
+    if rule not in (JVP, VJP):
+        return io
+    names, keywords = list(io.in_names), []
+    if keeps.result:  # every output leaf, integers too: the op's whole return value
+        groups = _shifted(layout.out_groups, len(names))
+        if "result" in takes:
+            keywords.append(Keyword("result", groups, layout.single_output, OPERANDS))
+        names += [f"result {name}" for name in layout.output_names]
+    if keeps.saved:
+        group = _shifted((layout.saved_group,), len(names))
+        if "saved" in takes:
+            keywords.append(Keyword("saved", group, True, OPERANDS))
+        names += list(layout.saved_names)
+    return dataclasses.replace(io, in_names=tuple(names), keywords=tuple(keywords),
+                               n_extra=len(names) - len(io.in_names))
+
+
+def n_extra(spec, layout: Layout, rule: str) -> int:
+    """How many extras (result and residual leaves) follow the operands of `rule`."""
+    keeps = spec.keeps
+    if keeps is None or rule not in (JVP, VJP):
+        return 0
+    return (len(layout.outputs) if keeps.result else 0) + (
+        len(layout.saved) if keeps.saved else 0)
+
+
+def _rule_io(spec, layout: Layout, rule: str, wrt: int) -> RuleIO:
     n = len(layout.inputs)
     diff, float_outs = layout.diff_indices, layout.float_out_indices
     params = layout.in_groups

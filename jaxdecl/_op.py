@@ -50,6 +50,7 @@ from . import (
     _fingerprint,
     _layout,
     _partition,
+    _residuals,
     _runtime,
     _sharding,
     _signatures,
@@ -57,7 +58,7 @@ from . import (
 )
 from ._cfunction import CFunction
 from ._errors import missing_rule
-from ._layout import FORWARD, TRANSPOSE, TRANSPOSE_WRT
+from ._layout import FORWARD, FORWARD_SAVING, TRANSPOSE, TRANSPOSE_WRT
 from ._primitive import bind_rule, refusal
 
 _lock = threading.RLock()
@@ -124,14 +125,15 @@ class OpHandle:
             rule = spec.sharding
             if rule is None:
                 rule = _sharding.call_method(spec.rules["sharding"], instance, layout, spec.name)
-            resolved = _sharding.resolve(rule, layout, spec.params, spec.name)
+            resolved = _sharding.resolve(rule, layout, spec.params, spec.name,
+                                         spec.keeps is not None and spec.keeps.result)
         self._shardings[primals] = resolved
         return resolved
 
     def user_rule(self, rule: str, wrt: int = -1):
         """The Rule behind `rule`, or raise MissingRuleError naming what to add."""
         spec = self.spec
-        if rule == FORWARD:
+        if rule in (FORWARD, FORWARD_SAVING):
             return spec.rules["forward"]
         if rule == TRANSPOSE:
             return spec.rules.get("transpose") or spec.rules["adjoint"]
@@ -173,21 +175,27 @@ class OpHandle:
             _KERNEL_ABI, self.fingerprint, rule, str(wrt), repr(primals), repr(batch),
             repr(in_shapes))
         looped = bool(batch) and spec.batch_mode == "loop"
-        if isinstance(user.function, CFunction) and user.kind != "adjoint" and not looped:
-            return _runtime.register_c(fingerprint, name, user.function)
         io = self.rule_io(primals, rule, wrt, instance)
         function, ref = _runtime.weak_binding(user, instance)
-        if io.structured:
+        zero_copy = user.zero_copy
+        keyworded = bool(io.keywords or io.n_extra)
+        if keyworded:  # saved=/result= arguments, or extras the rule leaves out
+            function, zero_copy, io = _residuals.kernel_rule(
+                function, io, zero_copy, name, 0 if ref is None else 1,
+                0 if looped else len(batch))
+        if isinstance(function, CFunction) and user.kind != "adjoint" and not looped:
+            return _runtime.register_c(fingerprint, name, function)
+        if io.structured and not keyworded:  # (kernel_rule packs pytrees itself)
             # The rule takes and returns pytrees; the kernel deals in flat arrays.
             function = _structure.structured_rule(
-                function, io, user.zero_copy, name, n_head=0 if ref is None else 1)
+                function, io, zero_copy, name, n_head=0 if ref is None else 1)
             io = dataclasses.replace(io, single_result=False)
         if user.kind == "adjoint":
             n_lead = len(io.in_names) - sum(self.layout(primals, instance).float_out)
             function = _runtime.transpose_from_adjoint(
-                function, user.zero_copy, n_lead, takes_instance=ref is not None)
+                function, zero_copy, n_lead, takes_instance=ref is not None)
         kernel, on_escape = _runtime.make_kernel(
-            function, zero_copy=user.zero_copy, io=io, context=name, batch_shape=batch,
+            function, zero_copy=zero_copy, io=io, context=name, batch_shape=batch,
             loop=looped, in_shapes=in_shapes, instance_ref=ref,
         )
         return _runtime.register(fingerprint, name, kernel, on_escape, ref)
@@ -218,67 +226,19 @@ class OpHandle:
 
 
     def sharded_eager_call(self, instance, operands: list, primals: tuple):
-        """The forward ready to run eagerly on operands sharded over one mesh, or None.
+        """``(call, pin)``: the forward ready to run now, per shard, or None.
 
-        Each device runs the kernel on its blocks (the declaration's plan for
-        the operands' shardings), through an executable shared by every op of
-        the same per-shard signature: nothing compiles per configuration, and
-        a rule's exception reaches the caller as itself. None when the
-        operands' shardings name no common mesh (jit then decides).
+        See :func:`jaxdecl._partition.eager_call`; here the results come back
+        as ``@abstract`` declared them (one array, a tuple, pytrees).
         """
-        mesh, specs = _common_mesh(operands)
-        if mesh is None:
-            return None
-        key = (primals, mesh, specs)
-        call = self.sharded_calls.get(key)
-        pin = call.kernel.pin() if call is not None else None
-        if pin is not None:
-            return call, pin
-        op = BoundOp(self, instance)
         layout = self.layout(primals, instance)
-        in_shapes = tuple(tuple(x.shape) for x in operands)
-        factors = _sharding.rule_factors(self.sharding(primals, instance), layout, FORWARD, -1,
-                                         (), in_shapes)
-        axis_sizes = dict(mesh.shape)
-        io = op.rule_io(primals, FORWARD, -1)
-        p = _partition.plan(factors, specs, axis_sizes, strict=_compat.has_explicit_axes(mesh),
-                            describe=lambda *where: refusal(op, io, FORWARD, *where))
-        _partition.warn_gathers(op, FORWARD, -1, primals, (), p)
-        local_primals, _, local_in = _partition.shard_equation(
-            op, FORWARD, -1, primals, (), factors, p, axis_sizes, in_shapes,
-            [shape for shape, _ in layout.outputs])
-        kernel, pin = self.kernel(instance, FORWARD, -1, local_primals, (), local_in)
-        local_outputs = tuple(self.layout(local_primals, instance).outputs)
-        caller = _eager.sharded_executable(mesh, p.operand_specs, p.result_specs, p.summed,
-                                           local_outputs)
+        rebuilt = None
         if layout.structured:
-            call = _eager.Call(kernel, local_outputs, False, caller=caller,
-                               rebuild=lambda outs, groups=layout.out_groups,
-                               single=layout.single_output: rebuild(groups, single, outs))
-        else:
-            call = _eager.Call(kernel, local_outputs, layout.single_output, caller=caller)
-        self.sharded_calls[key] = call
-        return call, pin
-
-
-def _common_mesh(operands) -> tuple:
-    """``(mesh, specs)``: the one mesh the operands are sharded over, and their specs.
-
-    Operands without a NamedSharding (NumPy values, scalars) count as whole.
-    ``(None, None)`` when no operand has a mesh or two have different meshes.
-    """
-    mesh, specs = None, []
-    for x in operands:
-        sharding = getattr(x, "sharding", None)
-        if isinstance(sharding, _compat.NamedSharding):
-            if mesh is not None and sharding.mesh != mesh:
-                return None, None
-            mesh = sharding.mesh
-            spec = tuple(sharding.spec)
-            specs.append(spec + (None,) * (x.ndim - len(spec)))
-        else:
-            specs.append((None,) * x.ndim)
-    return mesh, tuple(specs)
+            rebuilt = lambda outs, groups=layout.out_groups, single=layout.single_output: \
+                rebuild(groups, single, outs)  # noqa: E731
+        return _partition.eager_call(
+            BoundOp(self, instance), FORWARD, -1, primals, (), operands, describe=refusal,
+            single=layout.single_output and not layout.structured, rebuild=rebuilt)
 
 
 class BoundOp:
@@ -331,9 +291,11 @@ class BoundOp:
         found = self.spec.rules.get(rule)
         if found is None or not found.traceable:
             return None
-        return _structure.traceable_rule(
-            found.bind(self.instance), self.rule_io(primals, rule, -1),
-            f"{self.spec.name}.{found.name} (@{found.kind})")
+        io = self.rule_io(primals, rule, -1)
+        context = f"{self.spec.name}.{found.name} (@{found.kind})"
+        if io.keywords or io.n_extra:
+            return _residuals.traceable_rule(found.bind(self.instance), io, context)
+        return _structure.traceable_rule(found.bind(self.instance), io, context)
 
 
 _compat.hold_weakly_in_caches(BoundOp)
@@ -625,11 +587,6 @@ def bind_forward(op: BoundOp, args) -> object:
     return outs[0] if layout.single_output else tuple(outs)
 
 
-def _spans_devices(args) -> bool:
-    return any(getattr(getattr(a, "sharding", None), "num_devices", 1) > 1
-               for a in jax.tree_util.tree_leaves(args))
-
-
 def _sharded_eager(handle: OpHandle, instance, args):
     """Runs a declared op now, per shard, on arguments that span several devices."""
     operands, primals = flatten_inputs(handle.spec, args)
@@ -680,9 +637,11 @@ def apply_op(instance, args: tuple, kwargs: dict):
     if not _compat.not_tracing():
         check_static(spec, instance)
         return bind_forward(BoundOp(handle, instance), args)
-    if handle.declares_sharding and _spans_devices(args):
-        # The shared single-device executable would gather; this runs per shard.
-        return _sharded_eager(handle, instance, args)
+    if _partition.spans_devices(args):
+        if handle.declares_sharding:
+            # The shared single-device executable would gather; this runs per shard.
+            return _sharded_eager(handle, instance, args)
+        args = _partition.onto_one_device(args)  # once, not once per device
     try:
         call = handle.eager_calls[tuple([(a.shape, a.dtype) for a in args])]
         pin = call.kernel.pin()  # held until the call returns: the kernel's op stays alive

@@ -40,7 +40,7 @@ import warnings
 import jax
 import jaxlib
 
-from . import _compat, _layout, _runtime
+from . import _compat, _eager, _layout, _runtime, _sharding
 from ._errors import RuleError
 
 
@@ -188,6 +188,40 @@ def sdy_rule(factors):
         reduction_factors=reduction, need_replication_factors=replicate)
 
 
+_warned: set = set()
+
+
+def can_split(name: str) -> bool:
+    """True when this JAX can run a declared op per shard under ``jit``.
+
+    Otherwise warns once per op (naming what it needs) and the op gathers its
+    inputs, which is correct, only not split.
+    """
+    if _compat.SPLITS_PER_SHARD and _compat.shardy_enabled():
+        return True
+    if name not in _warned:
+        _warned.add(name)
+        need = ("JAX >= 0.7" if not _compat.SPLITS_PER_SHARD else
+                "the Shardy partitioner (jax.config.update('jax_use_shardy_partitioner', True))")
+        warnings.warn(
+            f"{name} declares how it splits across devices, but running it per shard needs "
+            f"{need} (this is JAX {_compat.JAX_VERSION_TEXT}); XLA gathers its inputs instead, and "
+            f"every device runs the rule on the whole arrays", RuntimeWarning, stacklevel=2)
+    return False
+
+
+def check_explicit_sums(name: str, p: Plan) -> None:
+    """Raises when a plan over Explicit mesh axes sums partial results on a JAX that cannot."""
+    summed = sorted({axis for axes in p.summed for axis in axes})
+    if summed and not _compat.EXPLICIT_REDUCTIONS:
+        raise _compat.ShardingTypeError(
+            f"{name}: its inputs are split along a factor it sums over (reduce=, or a "
+            f"cotangent of an input without that factor) on Explicit mesh axes {summed}; "
+            f"adding the partial results there needs JAX >= 0.9 (this is JAX "
+            f"{_compat.JAX_VERSION_TEXT}). Reshard the inputs whole along that factor "
+            f"first, or use mesh axes of type Auto")
+
+
 def wants_partitioning(ctx) -> bool:
     """True when the lowering targets several devices of a mesh that jaxdecl can split over."""
     context = ctx.module_context.axis_context
@@ -209,38 +243,99 @@ class _Held:
 
 def lower(ctx, args, *, op, rule, wrt, primals, batch, factors, bind):
     """Lowers one equation as a ``custom_partitioning`` call (see the module docstring)."""
-    spec = op.spec
+    operand_shapes = [tuple(a.shape) for a in ctx.avals_in]
+    result_avals = list(ctx.avals_out)
+
+    def per_shard(mesh, arg_shapes, result_shape, held):
+        axis_sizes = dict(mesh.shape)
+        specs = [_spec_of(s) for s in arg_shapes]
+        p = plan(factors, specs, axis_sizes)
+        warn_gathers(op, rule, wrt, primals, batch, p)
+        local_primals, local_batch, local_in = shard_equation(
+            op, rule, wrt, primals, batch, factors, p, axis_sizes, operand_shapes,
+            [tuple(a.shape) for a in result_avals])
+        held.append(_prebuilt(op, rule, wrt, local_primals, local_batch, local_in))
+        summed = p.summed
+
+        def local(*blocks):
+            outs = bind(op, rule, blocks, local_primals, local_batch, wrt)
+            return tuple(_compat.psum(o, axes) if axes else o
+                         for o, axes in zip(outs, summed))
+
+        return local, p.result_specs, p.operand_specs
+
+    return _lower_partitioned(ctx, args, op=op, rule=rule, wrt=wrt, primals=primals,
+                              batch=batch, factors=factors, bind=bind, per_shard=per_shard)
+
+
+def lower_once(ctx, args, *, op, rule, wrt, primals, batch, bind):
+    """Lowers an op without a declaration to run once, not once per device.
+
+    XLA would gather the operands and run the opaque call on every device of
+    the program, each on the whole arrays (N times the work, N times any side
+    effect). Here the operands are gathered, the first device runs the rule,
+    and a ``psum`` (the others contribute zeros) hands every device its result,
+    as ``jax.pure_callback`` does.
+    """
+    names = itertools.count()
+    operands = tuple(tuple(f"x{next(names)}" for _ in a.shape) for a in ctx.avals_in)
+    results = tuple(tuple(f"x{next(names)}" for _ in a.shape) for a in ctx.avals_out)
+    every = frozenset(itertools.chain(*operands, *results))
+    factors = _sharding.RuleFactors(operands=operands, results=results, replicate=every,
+                                    sizes={}, inputs=(), batch=())
+    in_shapes = tuple(tuple(a.shape) for a in ctx.avals_in)
+    out_avals = [(tuple(a.shape), a.dtype) for a in ctx.avals_out]
+
+    def per_shard(mesh, arg_shapes, result_shape, held):
+        held.append(_prebuilt(op, rule, wrt, primals, batch, in_shapes))
+        axes = tuple(mesh.axis_names)
+
+        def local(*whole):
+            index = 0
+            for axis in axes:  # this device's position, row-major over the mesh
+                index = index * mesh.shape[axis] + jax.lax.axis_index(axis)
+
+            def run(values):
+                return tuple(bind(op, rule, values, primals, batch, wrt))
+
+            def skip(values):
+                return tuple(jax.numpy.zeros(shape, dtype) for shape, dtype in out_avals)
+
+            outs = jax.lax.cond(index == 0, run, skip, whole)
+            return tuple(_broadcast_first(o, axes) for o in outs)
+
+        whole_specs = tuple((None,) * len(s) for s in in_shapes)
+        return local, tuple((None,) * len(s) for s, _ in out_avals), whole_specs
+
+    return _lower_partitioned(ctx, args, op=op, rule=rule, wrt=wrt, primals=primals,
+                              batch=batch, factors=factors, bind=bind, per_shard=per_shard)
+
+
+def _broadcast_first(value, axes):
+    """Every device gets the first device's `value` (the others hold zeros)."""
+    if value.dtype == bool:
+        return _compat.psum(value.astype("int8"), axes) > 0
+    return _compat.psum(value, axes)
+
+
+def _lower_partitioned(ctx, args, *, op, rule, wrt, primals, batch, factors, bind, per_shard):
+    """The ``custom_partitioning`` call around one equation; `per_shard` builds the
+    per-device function ``(local, result specs, operand specs)`` for XLA's mesh."""
     held = _Held()
     ctx.module_context.add_keepalive(held)
     _mark_unique(ctx.module_context.module)
-    operand_shapes = [tuple(a.shape) for a in ctx.avals_in]
-    result_avals = list(ctx.avals_out)
-    what = f"{spec.name} ({rule})"
+    what = f"{op.spec.name} ({rule})"
 
-    def per_shard(mesh, arg_shapes, result_shape):
+    def partition(mesh, arg_shapes, result_shape):
         try:
-            axis_sizes = dict(mesh.shape)
-            specs = [_spec_of(s) for s in arg_shapes]
-            p = plan(factors, specs, axis_sizes)
-            warn_gathers(op, rule, wrt, primals, batch, p)
-            local_primals, local_batch, local_in = shard_equation(
-                op, rule, wrt, primals, batch, factors, p, axis_sizes, operand_shapes,
-                [tuple(a.shape) for a in result_avals])
-            # Built now so that the executable holds it (the per-shard lowering's own
-            # keep-alives are dropped with its temporary module).
-            held.keep.append(_prebuilt(op, rule, wrt, local_primals, local_batch,
-                                               local_in))
-            summed = p.summed
-
-            def local(*blocks):
-                outs = bind(op, rule, blocks, local_primals, local_batch, wrt)
-                return tuple(_compat.psum(o, axes) if axes else o
-                             for o, axes in zip(outs, summed))
-
+            # Kernels are built now so that the executable holds them (the per-shard
+            # lowering's own keep-alives are dropped with its temporary module).
+            local, result_specs, operand_specs = per_shard(mesh, arg_shapes, result_shape,
+                                                           held.keep)
             named = _compat.NamedSharding
             return (mesh, local,
-                    tuple(named(mesh, _compat.P(*s)) for s in p.result_specs),
-                    tuple(named(mesh, _compat.P(*s)) for s in p.operand_specs))
+                    tuple(named(mesh, _compat.P(*s)) for s in result_specs),
+                    tuple(named(mesh, _compat.P(*s)) for s in operand_specs))
         except Exception as error:
             # XLA reports the failure as a JaxRuntimeError carrying this text.
             raise RuntimeError(
@@ -251,7 +346,7 @@ def lower(ctx, args, *, op, rule, wrt, primals, batch, factors, bind):
         return tuple(bind(op, rule, operands, primals, batch, wrt))
 
     wrapped = _compat.custom_partitioning(whole)
-    wrapped.def_partition(partition=per_shard, sharding_rule=sdy_rule(factors))
+    wrapped.def_partition(partition=partition, sharding_rule=sdy_rule(factors))
     return _compat.mlir.lower_fun(lambda *a: list(wrapped(*a)), multiple_results=True)(
         ctx, *args)
 
@@ -298,6 +393,94 @@ def shard_equation(op, rule, wrt, primals, batch, factors, p: Plan, axis_sizes: 
                 f"{[s for s, _ in _layout.primal_leaves(local_primals)]}); the declaration "
                 f"does not match the op's shapes")
     return local_primals, local_batch, local_in
+
+
+def common_mesh(operands) -> tuple:
+    """``(mesh, specs)``: the one mesh the operands are sharded over, and their specs.
+
+    Operands without a NamedSharding (NumPy values, scalars) count as whole.
+    ``(None, None)`` when no operand has a mesh or two have different meshes.
+    """
+    mesh, specs = None, []
+    for x in operands:
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, _compat.NamedSharding):
+            if mesh is not None and sharding.mesh != mesh:
+                return None, None
+            mesh = sharding.mesh
+            spec = tuple(sharding.spec)
+            specs.append(spec + (None,) * (x.ndim - len(spec)))
+        else:
+            specs.append((None,) * x.ndim)
+    return mesh, tuple(specs)
+
+
+def eager_call(op, rule, wrt, primals, batch, operands, *, describe, single=False,
+               rebuild=None):
+    """``(call, pin)``: one rule of a declared op ready to run now, per shard, or None.
+
+    For operands sharded over one mesh, outside any trace (an eager call, an
+    un-jitted ``jax.grad``): each device runs the kernel on its blocks, as the
+    declaration's plan for the operands' shardings says, through an executable
+    shared by every op with the same per-shard signature (nothing compiles
+    per configuration), and a rule's exception reaches the caller as itself.
+    None when the operands name no common mesh. `describe(op, io, rule, ...)`
+    words a sharding Explicit axes cannot take. Calls are cached on the op's
+    handle; hold `pin` while the call runs.
+    """
+    mesh, specs = common_mesh(operands)
+    if mesh is None:
+        return None
+    cache = op.handle.sharded_calls
+    key = (rule, wrt, primals, batch, mesh, specs)
+    call = cache.get(key)
+    pin = call.kernel.pin() if call is not None else None
+    if pin is not None:
+        return call, pin
+    in_shapes = tuple(tuple(x.shape) for x in operands)
+    factors = _sharding.rule_factors(op.sharding(primals), op.layout(primals), rule, wrt,
+                                     batch, in_shapes)
+    axis_sizes = dict(mesh.shape)
+    io = op.rule_io(primals, rule, wrt)
+    explicit = _compat.has_explicit_axes(mesh)
+    p = plan(factors, specs, axis_sizes, strict=explicit,
+             describe=lambda *where: describe(op, io, rule, *where))
+    if explicit:
+        check_explicit_sums(op.spec.name, p)
+    else:
+        warn_gathers(op, rule, wrt, primals, batch, p)
+    local_primals, local_batch, local_in = shard_equation(
+        op, rule, wrt, primals, batch, factors, p, axis_sizes, in_shapes,
+        [tuple(batch) + tuple(shape) for shape, _ in io.out_avals])
+    kernel, pin = op.kernel(rule, wrt, local_primals, local_batch, local_in)
+    local_out = tuple((tuple(local_batch) + tuple(shape), dtype)
+                      for shape, dtype in op.rule_io(local_primals, rule, wrt).out_avals)
+    caller = _eager.sharded_executable(mesh, p.operand_specs, p.result_specs, p.summed,
+                                       local_out)
+    call = _eager.Call(kernel, local_out, single, rebuild=rebuild, caller=caller)
+    cache[key] = call
+    return call, pin
+
+
+def onto_one_device(values):
+    """`values` (a pytree) moved whole onto one device, where they span several.
+
+    An op without a declaration, called outside ``jit`` on sharded arrays, runs
+    once there instead of once per device on gathered copies. Arrays another
+    process holds parts of stay as they are.
+    """
+    leaves = jax.tree_util.tree_leaves(values)
+    sharded = [x for x in leaves if getattr(getattr(x, "sharding", None), "num_devices", 1) > 1]
+    if not sharded or not all(getattr(x, "is_fully_addressable", True) for x in sharded):
+        return values
+    device = min(sharded[0].sharding.device_set, key=lambda d: d.id)
+    return jax.device_put(values, device)
+
+
+def spans_devices(values) -> bool:
+    """True when some array among `values` (a pytree) lives on several devices."""
+    return any(getattr(getattr(a, "sharding", None), "num_devices", 1) > 1
+               for a in jax.tree_util.tree_leaves(values))
 
 
 def _spec_of(struct) -> tuple:

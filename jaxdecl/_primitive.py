@@ -4,8 +4,9 @@ A single primitive, ``jaxdecl_call``, stands for every rule of every op; its
 parameters say which:
 
 - ``op``: the :class:`~jaxdecl._op.BoundOp` (class + configuration);
-- ``rule``: ``forward``, ``jvp``, ``vjp``, ``transpose`` or ``transpose_wrt``
-  (operand orders in :mod:`jaxdecl._layout`);
+- ``rule``: ``forward``, ``forward_saving`` (the forward keeping its residuals,
+  see :mod:`jaxdecl._residuals`), ``jvp``, ``vjp``, ``transpose`` or
+  ``transpose_wrt`` (operand orders in :mod:`jaxdecl._layout`);
 - ``wrt``: the input index of a multilinear ``transpose_wrt`` (else -1);
 - ``primals``: per primal input, its (shape, dtype) per batch element, or for a
   pytree input a :class:`~jaxdecl._layout.TreeAval` (operands are its leaves);
@@ -76,9 +77,21 @@ def _impl(*args, op, rule, wrt, primals, batch):
     if traceable is not None:
         return broadcast_vmapped(traceable, batch, len(args))(*args)
     op.user_rule(rule, wrt)  # raises MissingRuleError before anything runs
-    in_shapes = tuple(tuple(np.shape(x)) for x in args)
-    kernel, pin = op.kernel(rule, wrt, primals, batch, in_shapes)
-    call = _eager.Call(kernel, _out_avals(op, rule, wrt, primals, batch), single=False)
+    found = None
+    if _partition.spans_devices(args):
+        # Sharded operands (an un-jitted grad of a sharded array): per shard where
+        # the op declares how, else once on one device.
+        if op.handle.declares_sharding:
+            found = _partition.eager_call(op, rule, wrt, primals, batch, args,
+                                          describe=refusal)
+        if found is None:
+            args = _partition.onto_one_device(args)
+    if found is not None:
+        call, pin = found
+    else:
+        in_shapes = tuple(tuple(np.shape(x)) for x in args)
+        kernel, pin = op.kernel(rule, wrt, primals, batch, in_shapes)
+        call = _eager.Call(kernel, _out_avals(op, rule, wrt, primals, batch), single=False)
     results = _eager.run(call, args)
     del pin  # held until here: the kernel's op stays alive for the call
     return list(results)
@@ -93,22 +106,38 @@ def _abstract_eval(*avals, op, rule, wrt, primals, batch):
     mesh = _mesh_of(avals)
     if mesh is None:
         return [ShapedArray(shape, dtype) for shape, dtype in shapes]
-    if mesh.are_all_axes_manual:  # inside shard_map: results vary as the operands do
-        varying = _compat.vma_of(jaxdecl_p.name, avals)
+    # Inside shard_map (over all mesh axes or some) results vary over the manual
+    # axes as the operands do.
+    varying = _compat.vma_of(jaxdecl_p.name, avals)
+
+    def whole():
+        if not varying:
+            return [ShapedArray(shape, dtype) for shape, dtype in shapes]
         return [_compat.sharded_aval(shape, dtype, mesh, (None,) * len(shape), varying)
                 for shape, dtype in shapes]
+
+    if _compat.all_axes_manual(mesh):
+        return whole()
     specs = [tuple(a.sharding.spec) + (None,) * (a.ndim - len(a.sharding.spec)) for a in avals]
     if not any(any(entry is not None for entry in spec) for spec in specs):
-        return [ShapedArray(shape, dtype) for shape, dtype in shapes]
+        return whole()
     resolved = op.sharding(primals)
     if resolved is None:  # no declaration: XLA gathers the inputs, results are whole
-        return [ShapedArray(shape, dtype) for shape, dtype in shapes]
+        return whole()
     factors = _sharding.rule_factors(resolved, op.layout(primals), rule, wrt, batch,
                                      tuple(tuple(a.shape) for a in avals))
     plan = _partition.plan(factors, specs, dict(mesh.shape), strict=True,
                            describe=lambda *where: refusal(op, io, rule, *where))
-    return [_compat.sharded_aval(shape, dtype, mesh, spec)
-            for (shape, dtype), spec in zip(shapes, plan.result_specs)]
+    _partition.check_explicit_sums(op.spec.name, plan)
+    result_specs = list(plan.result_specs)
+    if rule == "vjp":
+        # A cotangent has its primal's type: the cotangent of an input split along
+        # fewer factors than the plan splits (a replicated matrix against a split
+        # vector) is gathered to it.
+        for j, i in enumerate(op.layout(primals).diff_indices):
+            result_specs[j] = specs[i]
+    return [_compat.sharded_aval(shape, dtype, mesh, spec, varying)
+            for (shape, dtype), spec in zip(shapes, result_specs)]
 
 
 def _mesh_of(avals):
@@ -146,13 +175,15 @@ def _lowering(ctx, *args, op, rule, wrt, primals, batch):
         return _compat.mlir.lower_fun(evaluate, multiple_results=True)(ctx, *args)
     op.user_rule(rule, wrt)  # raises MissingRuleError before anything runs
     in_shapes = tuple(tuple(aval.shape) for aval in ctx.avals_in)
-    if _partition.wants_partitioning(ctx):
+    if _partition.wants_partitioning(ctx) and _partition.can_split(op.spec.name):
         resolved = op.sharding(primals)
-        if resolved is not None:
-            factors = _sharding.rule_factors(resolved, op.layout(primals), rule, wrt, batch,
-                                             in_shapes)
-            return _partition.lower(ctx, args, op=op, rule=rule, wrt=wrt, primals=primals,
-                                    batch=batch, factors=factors, bind=bind_rule)
+        if resolved is None:  # no declaration: once, not once per device
+            return _partition.lower_once(ctx, args, op=op, rule=rule, wrt=wrt,
+                                         primals=primals, batch=batch, bind=bind_rule)
+        factors = _sharding.rule_factors(resolved, op.layout(primals), rule, wrt, batch,
+                                         in_shapes)
+        return _partition.lower(ctx, args, op=op, rule=rule, wrt=wrt, primals=primals,
+                                batch=batch, factors=factors, bind=bind_rule)
     kernel, pin = op.kernel(rule, wrt, primals, batch, in_shapes)
     # The HLO names the kernel by fingerprint alone. The Python executable
     # keeps the kernel registered until XLA has instantiated the program,

@@ -18,7 +18,14 @@ every operand and result of that rule. One declaration covers every rule:
   factors its input lacks);
 - dims added by ``vmap`` (the ``batch`` parameter) are fresh independent
   factors; an operand that broadcasts along one (size 1 there) gets a factor
-  of its own.
+  of its own;
+- residuals (``@jd.residuals``) take the factors the declaration's
+  ``residuals=`` part gives them, a pytree of factor strings shaped like the
+  residuals: ``residuals={"lu": "b n m", "piv": "b n"}``. Each device's forward
+  keeps the residuals of its own block, so a residual must have a dim for
+  every factor the rules may split (all but ``replicate`` ones), and a
+  residual dim no input has is a ``replicate`` factor. The forward's outputs
+  that a ``result=`` rule reads keep their declared factors.
 
 Which mesh axes a factor is split over is decided later, by
 :mod:`jaxdecl._partition`.
@@ -90,9 +97,11 @@ class ShardingRule:
         ShardingRule('b n -> b n', replicate=('n',), reduce=())
     """
 
-    __slots__ = ("rule", "replicate", "reduce", "operands", "results")
+    __slots__ = ("rule", "replicate", "reduce", "operands", "results", "residuals",
+                 "residual_tree", "residual_values")
 
-    def __init__(self, rule: str, replicate=(), reduce=(), *, owner: str = "ShardingRule"):
+    def __init__(self, rule: str, replicate=(), reduce=(), *, residuals=None,
+                 owner: str = "ShardingRule"):
         if not isinstance(rule, str):
             raise DeclarationError(f"{owner}: the sharding rule must be a string such as "
                                    f"'b n -> b n', got {rule!r}")
@@ -109,11 +118,10 @@ class ShardingRule:
 
         self.rule = rule
         self.operands = values(left)
-        self.results = values(right)
+        # Nothing after '->' is one 0-d result (a dot product: "n, n -> ").
+        self.results = values(right) or ((),)
         self.replicate = _names(replicate, "replicate", owner)
         self.reduce = _names(reduce, "reduce", owner)
-        if not self.results:
-            raise DeclarationError(f"{owner}: sharding rule {rule!r} names no results")
         used_in = set(f for v in self.operands for f in v if f != _ELLIPSIS)
         used_out = set(f for v in self.results for f in v if f != _ELLIPSIS)
         for what, names in (("replicate", self.replicate), ("reduce", self.reduce)):
@@ -146,34 +154,77 @@ class ShardingRule:
                     f"{owner}: sharding rule {rule!r}: result {index} has no dim for factor(s) "
                     f"{sorted(missing)}; list such a factor in reduce= (the rules sum over it) "
                     f"or replicate= (the rules need it whole)")
-        has_ellipsis = [bool(v) and v[0] == _ELLIPSIS for v in self.operands + self.results]
+        self.residuals = residuals
+        self.residual_tree, self.residual_values = _parse_residuals(
+            residuals, used_in, self.replicate, owner, rule)
+        has_ellipsis = [bool(v) and v[0] == _ELLIPSIS for v in self.operands + self.results
+                        + tuple(v for _, v in self.residual_values)]
         if any(has_ellipsis) and not all(has_ellipsis):
             raise DeclarationError(
                 f"{owner}: sharding rule {rule!r}: '...' must lead every input and result "
-                f"or none")
+                f"(and residual) or none")
+
+    def _key(self) -> tuple:
+        tree = None if self.residual_tree is None else str(self.residual_tree)
+        return (self.rule, self.replicate, self.reduce, tree, self.residual_values)
 
     def __repr__(self) -> str:
+        extra = "" if self.residuals is None else f", residuals={self.residuals!r}"
         return (f"ShardingRule({self.rule!r}, replicate={self.replicate!r}, "
-                f"reduce={self.reduce!r})")
+                f"reduce={self.reduce!r}{extra})")
 
     def __eq__(self, other):
-        return isinstance(other, ShardingRule) and (self.rule, self.replicate, self.reduce) == (
-            other.rule, other.replicate, other.reduce)
+        return isinstance(other, ShardingRule) and self._key() == other._key()
 
     def __hash__(self):
-        return hash((self.rule, self.replicate, self.reduce))
+        return hash(self._key())
+
+
+def _parse_residuals(residuals, used_in: set, replicate: tuple, owner: str, rule: str):
+    """``(tree, ((label, factors), ...))`` of a ``residuals=`` pytree of factor strings."""
+    if residuals is None:
+        return None, ()
+    import jax
+
+    with_paths, tree = jax.tree_util.tree_flatten_with_path(residuals)
+    if not with_paths:
+        raise DeclarationError(f"{owner}: residuals= holds no factor strings ({residuals!r})")
+    splittable = used_in - set(replicate)
+    values = []
+    for path, text in with_paths:
+        label = "saved" + jax.tree_util.keystr(tuple(path))
+        if not isinstance(text, str):
+            raise DeclarationError(
+                f"{owner}: residuals= must hold one factor string per residual, like "
+                f"'b n'; {label} is {text!r}")
+        factors = _parse_value(text, owner, f"residuals {label}: {text!r}")
+        named = set(factors) - {_ELLIPSIS}
+        new = named - used_in - set(replicate)
+        if new:
+            raise DeclarationError(
+                f"{owner}: residual {label} ({text!r}) has factor(s) {sorted(new)} that no "
+                f"input has; list such a factor in replicate= (each device keeps it whole)")
+        missing = splittable - named
+        if missing:
+            raise DeclarationError(
+                f"{owner}: residual {label} ({text!r}) has no dim for factor(s) "
+                f"{sorted(missing)} of sharding rule {rule!r}; each device keeps the "
+                f"residuals of its own block, so a residual needs a dim for every factor the "
+                f"rules may split (or list the factor in replicate=)")
+        values.append((label, factors))
+    return tree, tuple(values)
 
 
 def from_options(owner: str, options: dict, params: tuple) -> ShardingRule | None:
     """The class options ``sharding=``/``replicate=``/``reduce=`` as a rule (None if absent)."""
     rule = options.get("sharding")
     if rule is None:
-        for key in ("replicate", "reduce"):
+        for key in ("replicate", "reduce", "residuals"):
             if options.get(key):
                 raise DeclarationError(f"{owner}: {key}= needs a sharding= rule to refer to")
         return None
     declared = ShardingRule(rule, options.get("replicate", ()), options.get("reduce", ()),
-                            owner=owner)
+                            residuals=options.get("residuals"), owner=owner)
     check_inputs(declared, params, owner)
     return declared
 
@@ -193,10 +244,18 @@ class Resolved:
     outputs: tuple  # per forward output leaf: a factor per dim
     replicate: frozenset
     sizes: dict  # factor -> size (the whole, per batch element)
+    saved: tuple | None = None  # per residual leaf: a factor per dim (None: not declared)
+    carries_result: bool = False  # jvp/vjp equations carry the outputs (a rule takes result)
+    owner: str = ""  # the class, for messages
 
 
-def resolve(rule: ShardingRule, layout, params: tuple, owner: str) -> Resolved:
-    """Names every dim of the forward at `layout`; ValueError when ranks or sizes disagree."""
+def resolve(rule: ShardingRule, layout, params: tuple, owner: str,
+            carries_result: bool = False) -> Resolved:
+    """Names every dim of the forward at `layout`; ValueError when ranks or sizes disagree.
+
+    `carries_result`: the op's jvp/vjp equations carry its outputs (a rule takes
+    ``result``), which then take the outputs' factors there.
+    """
     check_inputs(rule, params, owner)
     if len(rule.results) != len(layout.out_groups):
         raise ValueError(
@@ -207,9 +266,13 @@ def resolve(rule: ShardingRule, layout, params: tuple, owner: str) -> Resolved:
     for group, value in zip(layout.out_groups, rule.results):
         for slot in group.slots:
             out_rules[slot] = value
-    values = tuple(rule.operands[p] for p in layout.leaf_param) + tuple(out_rules)
-    labels = [f"input {name!r}" for name in layout.input_names] + list(layout.output_names)
-    shapes = [s for s, _ in layout.inputs] + [s for s, _ in layout.outputs]
+    saved_rules = _residual_rules(rule, layout, owner)
+    values = tuple(rule.operands[p] for p in layout.leaf_param) + tuple(out_rules) + \
+        saved_rules
+    labels = [f"input {name!r}" for name in layout.input_names] + list(layout.output_names) + \
+        [f"residual {name}" for name in layout.saved_names[:len(saved_rules)]]
+    shapes = [s for s, _ in layout.inputs] + [s for s, _ in layout.outputs] + \
+        [s for s, _ in layout.saved[:len(saved_rules)]]
     lead = None
     named = []
     for label, value, shape in zip(labels, values, shapes):
@@ -238,8 +301,24 @@ def resolve(rule: ShardingRule, layout, params: tuple, owner: str) -> Resolved:
                 raise ValueError(
                     f"{owner}: sharding rule {rule.rule!r}: factor {factor!r} has size "
                     f"{sizes[factor]} in one value but {size} in {label} (shape {shape})")
-    n_in = len(layout.inputs)
-    return Resolved(tuple(named[:n_in]), tuple(named[n_in:]), frozenset(rule.replicate), sizes)
+    n_in, n_out = len(layout.inputs), len(layout.outputs)
+    return Resolved(tuple(named[:n_in]), tuple(named[n_in:n_in + n_out]),
+                    frozenset(rule.replicate), sizes,
+                    tuple(named[n_in + n_out:]) if saved_rules else None, carries_result,
+                    owner)
+
+
+def _residual_rules(rule: ShardingRule, layout, owner: str) -> tuple:
+    """Per residual leaf, its factors from ``residuals=`` (empty when not declared)."""
+    if rule.residual_tree is None or not layout.saved:
+        return ()
+    tree = layout.saved_group.tree
+    if rule.residual_tree != tree and not (tree is None and len(rule.residual_values) == 1):
+        raise ValueError(
+            f"{owner}: residuals= of sharding rule {rule.rule!r} has the structure "
+            f"{rule.residual_tree}, but @residuals declares {tree}; give one factor string per "
+            f"residual, in the same pytree")
+    return tuple(factors for _, factors in rule.residual_values)
 
 
 def call_method(method, instance, layout, owner: str) -> ShardingRule:
@@ -288,12 +367,15 @@ def rule_factors(resolved: Resolved, layout, rule: str, wrt: int, batch: tuple,
     ins, outs = resolved.inputs, resolved.outputs
     diff = layout.diff_indices
     float_outs = tuple(outs[j] for j in layout.float_out_indices)
+    extras = _extra_factors(resolved, layout, rule)
     if rule == "forward":
         operands, results = ins, outs
+    elif rule == "forward_saving":
+        operands, results = ins, outs + extras
     elif rule == "jvp":
-        operands, results = ins + tuple(ins[i] for i in diff), float_outs
+        operands, results = ins + tuple(ins[i] for i in diff) + extras, float_outs
     elif rule == "vjp":
-        operands, results = ins + float_outs, tuple(ins[i] for i in diff)
+        operands, results = ins + float_outs + extras, tuple(ins[i] for i in diff)
     elif rule == "transpose":
         operands = tuple(ins[i] for i in range(n) if not layout.diff[i]) + float_outs
         results = tuple(ins[i] for i in diff)
@@ -319,3 +401,24 @@ def rule_factors(resolved: Resolved, layout, rule: str, wrt: int, batch: tuple,
     results = tuple(batch_factors + tuple(r) for r in results)
     return RuleFactors(tuple(with_batch), results, resolved.replicate, sizes, ins,
                        batch_factors)
+
+
+def _extra_factors(resolved: Resolved, layout, rule: str) -> tuple:
+    """Factors of what a rule carries besides its usual operands (see _layout.rule_io).
+
+    ``forward_saving`` results end with the residuals; ``jvp``/``vjp`` operands
+    with the forward's outputs (when a rule takes ``result``), then the residuals.
+    """
+    if rule == "forward_saving":
+        result, saved = False, True
+    elif rule in ("jvp", "vjp"):
+        result, saved = resolved.carries_result, bool(layout.saved)
+    else:
+        return ()
+    if saved and resolved.saved is None:
+        raise ValueError(
+            f"{resolved.owner} keeps residuals {list(layout.saved_names)} (@residuals), but its "
+            f"sharding declaration does not say how they split: add residuals=, a pytree of factor "
+            f"strings shaped like the residuals, beside sharding= (or to jd.ShardingRule), "
+            f"e.g. residuals={{'lu': 'b n m', 'piv': 'b n'}}")
+    return (resolved.outputs if result else ()) + (resolved.saved if saved else ())

@@ -39,11 +39,15 @@ import types
 from ._cfunction import CFunction
 from ._errors import DeclarationError
 
-#: Keyword-only parameters jaxdecl fills in when a rule declares them.
-PASSED_BY_KEYWORD = ("out",)
+#: Keyword-only parameters jaxdecl fills in when a rule declares them: the
+#: zero-copy outputs, and the residuals and forward's result (which rules may
+#: take them is checked by :mod:`jaxdecl._residuals`).
+PASSED_BY_KEYWORD = ("out", "saved", "result")
 
-# Rules whose arguments are the op's inputs, named as @abstract names them.
-_INPUT_RULES = ("abstract", "forward", "sharding")
+# Rules whose arguments are the op's inputs, named as @abstract names them, and
+# the keyword-only parameters each may have besides.
+_INPUT_RULES = {"abstract": ("out",), "forward": ("out", "saved"), "sharding": ("out",),
+                "residuals": ("out",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,13 +125,26 @@ def _check_form(cls_name: str, rule, found: Parameters) -> None:
 
 
 def _input_names(cls_name: str, rule, found: Parameters) -> tuple:
-    """The positional names of an @abstract/@forward/@sharding method, `self` included."""
-    if found.varargs or found.varkw or any(n != "out" for n in found.keyword_only):
+    """The positional names of a method that takes the op's inputs, `self` included."""
+    allowed = _INPUT_RULES.get(rule.kind, ("out",))
+    if found.varargs or found.varkw or any(n not in allowed for n in found.keyword_only):
         raise DeclarationError(
             f"{_where(cls_name, rule)}: every parameter must be a plain positional input, one "
-            f"per input of the op (no *args, **kwargs, or keyword-only other than `out`), "
-            f"because jaxdecl learns the op's inputs from it")
+            f"per input of the op (no *args, **kwargs, or keyword-only other than "
+            f"{' or '.join(f'`{k}`' for k in allowed)}), because jaxdecl learns the op's inputs "
+            f"from it")
     return found.positional
+
+
+def method_inputs(cls_name: str, rule) -> tuple:
+    """The input names a method takes after `self` (@abstract, @forward, @sharding, ...).
+
+    Raises DeclarationError when its parameters are not plain positional inputs.
+    """
+    found = parameters(rule.function, any_callable=True)
+    if found is None:
+        raise DeclarationError(f"{_where(cls_name, rule)}: jaxdecl cannot read its signature")
+    return _input_names(cls_name, rule, found)[1:]
 
 
 def _missing_self(cls_name: str, rule, names: tuple, expected: tuple) -> DeclarationError:
@@ -167,7 +184,7 @@ def op_inputs(cls_name: str, rules: dict, transposes_wrt: dict) -> tuple:
             f"the op instance to. If {declared[0]!r} is an input, add `self` first: "
             f"{_def(abstract, declared)}; an op without inputs names its only parameter "
             f"`self`")
-    for rule in (forward, rules.get("sharding")):
+    for rule in (forward, rules.get("sharding")):  # (@residuals: see _residuals.declare)
         found = None if rule is None else signatures.get(id(rule))
         if found is None:
             continue

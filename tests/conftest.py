@@ -43,3 +43,16 @@ def subprocess_env(**variables) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(
         [package_parent] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return env
+
+
+def _splits_per_shard() -> bool:
+    from jaxdecl import _compat
+
+    return _compat.SPLITS_PER_SHARD
+
+
+#: Tests of ops running per shard under ``jit`` (custom_partitioning with Shardy's
+#: reduction and replication factors); older JAX gathers instead, with a warning.
+needs_split = pytest.mark.skipif(
+    not _splits_per_shard(),
+    reason="running a sharding declaration per shard under jit needs JAX >= 0.7")

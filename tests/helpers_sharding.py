@@ -288,10 +288,11 @@ def automatic() -> dict:
     checks["pytree grad: no gather"] = _no_gather(g.lower(Pd).compile().as_text())
     checks["pytree grad: value"] = _close(got["w"], want["w"]) and _close(got["c"], want["c"])
 
-    # No declaration: gathered as before, still right, no partitioning call.
+    # No declaration: gathered, still right, and the rule runs once on the whole
+    # array, not once per device.
     f = jax.jit(Plain())
-    checks["plain: no custom partitioning"] = "CustomSPMDPartitioning" not in \
-        f.lower(xs).as_text()
+    checks["plain: runs once on the whole array"] = _calls(f, put(x, "d")) == \
+        [("plain", tuple(x.shape))] or _calls(f, put(x, "d"))
     checks["plain: value"] = _close(f(put(x, "d")), -x)
 
     # An error while splitting is a Python exception, and the process goes on.

@@ -14,7 +14,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import subprocess_env
+from conftest import needs_split, subprocess_env
 
 import jaxdecl as jd
 from jaxdecl.contrib import ducc
@@ -86,6 +86,7 @@ def test_check_passes_with_the_declaration(op, args):
     jd.check(op, *args)
 
 
+@needs_split
 def test_multi_device():
     completed = subprocess.run([sys.executable, HELPER], capture_output=True, text=True,
                                timeout=300, env=subprocess_env())

@@ -45,14 +45,14 @@ def test_help_lists_every_decorator_and_class_option(obj):
 
     text = pydoc.render_doc(obj, renderer=pydoc.plaintext)
     decorators = ["abstract", "forward", "jvp", "vjp", "transpose", "adjoint", "batch",
-                  "sharding"]
+                  "sharding", "residuals"]
     for decorator in decorators:
         assert f"@jd.{decorator}`" in text, decorator
     for option in ["linear=True", "multilinear=True", "nondiff=", 'batch="loop"',
-                   'batch="vectorized"', "sharding=", "replicate=", "reduce="]:
+                   'batch="vectorized"', "sharding=", "replicate=", "reduce=", "residuals="]:
         assert f"``{option}" in text, option
     from jaxdecl._declare import _OPTIONS, RULE_KINDS
 
     assert set(RULE_KINDS) == set(decorators)  # a new decorator must be documented here
     assert {"linear", "multilinear", "nondiff", "batch", "sharding", "replicate",
-            "reduce"} == set(_OPTIONS)
+            "reduce", "residuals"} == set(_OPTIONS)

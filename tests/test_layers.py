@@ -77,3 +77,25 @@ def test_sharding_modules_sit_below_the_primitive():
              "jaxdecl._declare", "jaxdecl._check", "jaxdecl"}
     assert graph["jaxdecl._sharding"] <= {"jaxdecl._errors"}, graph["jaxdecl._sharding"]
     assert not graph["jaxdecl._partition"] & above, graph["jaxdecl._partition"]
+
+
+def test_only_compat_knows_jax_internals_and_versions():
+    """Version knowledge lives in _compat.py: no other module imports jax._src or reads a
+    version, so supporting another JAX means changing one file."""
+    offenders = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "_compat.py":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            found = None
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jax._src"):
+                found = node.module
+            elif isinstance(node, ast.Import):
+                found = next((a.name for a in node.names if a.name.startswith("jax._src")), None)
+            elif isinstance(node, ast.Attribute) and node.attr in ("__version__", "_src",
+                                                                   "version_info"):
+                found = ast.unparse(node)
+            if found:
+                offenders.setdefault(_module_name(path), []).append(found)
+    assert not offenders, offenders

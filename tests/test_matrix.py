@@ -378,6 +378,38 @@ def stats_ref(x, pair):
     return Stats(x * jnp.sin(pair.a), sign), {"sum": x + pair.b}
 
 
+class XExpYSaved(jd.Primitive):
+    """(k) residuals: x * exp(y). When a derivative follows, the forward keeps {"exp": exp(y),
+    "finite": int8} (a float and an integer residual); the zero-copy @jvp and the return-form
+    @vjp read them (`saved`) and the forward's output (`result` = x * exp(y))."""
+
+    @jd.abstract
+    def shapes(self, x, y):
+        return _same(x)
+
+    @jd.residuals
+    def keeps(self, x, y):
+        return {"exp": _same(y), "finite": jax.ShapeDtypeStruct(y.shape, np.int8)}
+
+    @jd.forward
+    def apply(self, x, y, *, saved=None):
+        e = np.exp(y)
+        if saved is not None:
+            saved["exp"][...] = e
+            saved["finite"][...] = np.isfinite(e)
+        return x * e
+
+    @jd.jvp
+    def push(self, x, y, dx, dy, *, out, saved, result):
+        np.multiply(saved["exp"], dx, out=out)
+        out += result * dy
+
+    @jd.vjp
+    def pull(self, x, y, ct, *, saved, result):
+        finite = saved["finite"].astype(bool)
+        return np.where(finite, saved["exp"] * ct, 0), np.where(finite, result * ct, 0)
+
+
 # ---------------------------------------------------------------------------
 # Forms: an op, its reference and example inputs
 # ---------------------------------------------------------------------------
@@ -405,7 +437,7 @@ class Form:
 
 _OPS = {"return": XSinY(), "out": XSinYInto(), "linear": MatVec(), "multilinear": Product(),
         "nondiff": ScaledRoll(), "multi_output": SumProdBigger(), "float_and_int": ScaleCount(),
-        "pytree": AffineSin(), "pytree_out": StatsInto()}
+        "pytree": AffineSin(), "pytree_out": StatsInto(), "residuals": XExpYSaved()}
 
 
 def _shared(name):
@@ -469,6 +501,9 @@ FORMS = {
     "pytree_out": Form(
         _shared("pytree_out"), stats_ref, _stats_args, ("x", "pair"), (0, 1),
         ("float64", "complex64"), (1, Pair(0, None)), _python_scalars),
+    "residuals": Form(
+        _shared("residuals"), lambda x, y: x * jnp.exp(y), _pair((3,)), ("x", "y"), (0, 1),
+        ("float32", "float64", "complex128"), (0, None), _python_scalars),
 }
 
 _ARANGE = {dtype: Arange(dtype) for dtype in FORMS["no_inputs"].dtypes}

@@ -6,16 +6,18 @@ HLO has no gather for independent factors, the rules' call records show
 local blocks, values match the unsharded computation.
 """
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import subprocess_env
+from conftest import needs_split, subprocess_env
 
 import jaxdecl as jd
 
@@ -129,6 +131,7 @@ def _scenario(name: str) -> dict:
     return json.loads(lines[-1])["checks"]
 
 
+@needs_split
 @pytest.mark.parametrize("scenario", ["automatic", "explicit"])
 def test_multi_device(scenario):
     checks = _scenario(scenario)
@@ -145,6 +148,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@needs_split
 def test_two_processes():
     """A 4-device mesh over 2 processes (jax.distributed, gloo): each runs its own shards."""
     port = str(_free_port())
@@ -232,6 +236,291 @@ def test_check_rejects_a_wrong_declaration_naming_class_and_factor(op, factor, k
         jd.check(op, x)
 
 
+def test_where_jax_cannot_split_the_op_gathers_with_one_warning(monkeypatch):
+    """On a JAX without Shardy's replication and reduction factors (< 0.7), or with Shardy
+    off, a declared op stays correct under jit, gathers, and says so once."""
+    from jaxdecl import _compat
+
+    monkeypatch.setattr(_compat, "SPLITS_PER_SHARD", False)
+    op = _op("NeedsNewerJax", sharding="b n, k -> b n", reduce=("k",))()
+    devices = jax.devices()[:2]
+    mesh = jax.sharding.Mesh(np.array(devices), ("d",),
+                             axis_types=(jax.sharding.AxisType.Auto,))
+    x = jax.device_put(jnp.arange(6.0).reshape(2, 3),
+                       jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
+    y = jnp.arange(4.0)
+    with pytest.warns(RuntimeWarning, match=r"NeedsNewerJax .*needs JAX >= 0\.7 \(this is JAX"):
+        text = jax.jit(op).lower(x, y).as_text()
+    assert "CustomSPMDPartitioning" not in text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per op: the second program says nothing
+        out = jax.jit(lambda a, b: op(a, b) * 1.0)(x, y)
+    np.testing.assert_allclose(out, np.arange(6.0).reshape(2, 3) * 6.0)  # x * sum(y)
+
+
+def test_explicit_sums_name_the_jax_they_need(monkeypatch):
+    from jaxdecl import _compat, _partition
+
+    monkeypatch.setattr(_compat, "EXPLICIT_REDUCTIONS", False)
+    summing = _partition.Plan({"k": ("d",)}, ((None, "d"),), ((None,),), (("d",),))
+    with pytest.raises(_compat.ShardingTypeError, match=r"MatVec: .*needs JAX >= 0\.9 \(this is"):
+        _partition.check_explicit_sums("MatVec", summing)
+    _partition.check_explicit_sums("MatVec", _partition.Plan({}, ((None,),), ((None,),), ((),)))
+    monkeypatch.setattr(_compat, "EXPLICIT_REDUCTIONS", True)
+    _partition.check_explicit_sums("MatVec", summing)
+
+
+class _Cube(jd.Primitive, sharding="n m -> n m"):
+    """x**3 with NumPy rules; records the shapes its rules see."""
+
+    seen: list = []
+
+    @jd.abstract
+    def shapes(self, x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x):
+        _Cube.seen.append(("forward", x.shape))
+        return x ** 3
+
+    @jd.jvp
+    def push(self, x, dx):
+        _Cube.seen.append(("jvp", x.shape))
+        return 3 * x ** 2 * dx
+
+    @jd.vjp
+    def pull(self, x, ct):
+        _Cube.seen.append(("vjp", x.shape))
+        return 3 * x ** 2 * ct
+
+
+@jd.primitive(sharding="n m -> n m")
+class _TreeProduct:
+    """a * b for a dict {"a", "b"}: a plain class declared by the decorator."""
+
+    @jd.abstract
+    def shapes(self, t):
+        return jax.ShapeDtypeStruct(t["a"].shape, t["a"].dtype)
+
+    @jd.forward
+    def apply(self, t):
+        _Cube.seen.append(("forward", t["a"].shape))
+        return t["a"] * t["b"]
+
+
+@pytest.mark.parametrize("how", ["forward", "grad", "jvp", "vjp", "pytree"])
+def test_eager_calls_on_sharded_arrays_run_per_shard(how):
+    """Outside jit, every rule of a declared op runs on each device's block (no gather)
+    and the result keeps the sharding; the executables are shared across configurations."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",),
+                             axis_types=(jax.sharding.AxisType.Auto,))
+    rows = NamedSharding(mesh, P("d"))
+    xn = np.linspace(0.5, 2.0, 24).reshape(4, 6)
+    x = jax.device_put(jnp.asarray(xn), rows)
+    op = _Cube()
+    _Cube.seen.clear()
+    if how == "forward":
+        out, expected = op(x), xn ** 3
+    elif how == "grad":
+        out, expected = jax.grad(lambda v: op(v).sum())(x), 3 * xn ** 2
+    elif how == "jvp":
+        out, expected = jax.jvp(op, (x,), (x,))[1], 3 * xn ** 3
+    elif how == "vjp":
+        out, expected = jax.vjp(op, x)[1](x)[0], 3 * xn ** 3
+    else:  # an op whose argument is a pytree of sharded leaves
+        out, expected = _TreeProduct()({"a": x, "b": x}), xn * xn
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-12)
+    assert out.sharding.spec == P("d"), out.sharding
+    assert _Cube.seen and all(shape == (2, 6) for _, shape in _Cube.seen), _Cube.seen
+
+
+class _Dot(jd.Primitive, sharding="n, n -> ", reduce=("n",)):
+    """A dot product: one 0-d result, each device sums its slice, jaxdecl adds them up."""
+
+    @jd.abstract
+    def shapes(self, a, b):
+        return jax.ShapeDtypeStruct((), a.dtype)
+
+    @jd.forward
+    def apply(self, a, b):
+        _Cube.seen.append(("forward", a.shape))
+        return np.dot(a, b)
+
+    @jd.vjp
+    def pull(self, a, b, ct):
+        return ct * b, ct * a
+
+
+@needs_split
+def test_a_dot_product_declares_a_0d_result_and_sums_per_shard():
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    assert jd.ShardingRule("n, n -> ", reduce=("n",)).results == ((),)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",),
+                             axis_types=(jax.sharding.AxisType.Auto,))
+    an, bn = np.linspace(-1.0, 2.0, 8), np.linspace(0.5, 3.0, 8)
+    a, b = (jax.device_put(jnp.asarray(v), NamedSharding(mesh, P("d"))) for v in (an, bn))
+    _Cube.seen.clear()
+    np.testing.assert_allclose(float(_Dot()(a, b)), an @ bn, rtol=1e-12)
+    f = jax.jit(_Dot())
+    np.testing.assert_allclose(float(f(a, b)), an @ bn, rtol=1e-12)
+    assert _Cube.seen and all(shape == (4,) for _, shape in _Cube.seen), _Cube.seen
+    compiled = f.lower(a, b).compile().as_text()
+    assert "all-gather" not in compiled and "all-reduce" in compiled
+    grads = jax.jit(jax.grad(lambda u, v: _Dot()(u, v), argnums=(0, 1)))(a, b)
+    np.testing.assert_allclose(np.asarray(grads[0]), bn, rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(grads[1]), an, rtol=1e-12)
+    jd.check(_Dot(), an, bn)  # the declaration too: halves summed equal the whole
+
+
+class _PlainCube(jd.Primitive):
+    """_Cube without a sharding declaration."""
+
+    @jd.abstract
+    def shapes(self, x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x):
+        _Cube.seen.append(("forward", x.shape))
+        return x ** 3
+
+    @jd.vjp
+    def pull(self, x, ct):
+        _Cube.seen.append(("vjp", x.shape))
+        return 3 * x ** 2 * ct
+
+
+@pytest.mark.parametrize("how", [
+    pytest.param("jit", marks=needs_split), pytest.param("jit_grad", marks=needs_split),
+    "eager", "grad"])
+def test_an_undeclared_op_runs_once_not_once_per_device(how):
+    """Without a declaration the op needs its inputs whole: they are gathered and the rule
+    runs once (as jax.pure_callback does), not on every device."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",),
+                             axis_types=(jax.sharding.AxisType.Auto,))
+    xn = np.linspace(0.5, 2.0, 24).reshape(4, 6)
+    x = jax.device_put(jnp.asarray(xn), NamedSharding(mesh, P("d")))
+    op = _PlainCube()
+    _Cube.seen.clear()
+    if how == "jit":
+        out, expected, rules = jax.jit(lambda v: op(v) + 1.0)(x), xn ** 3 + 1.0, ["forward"]
+    elif how == "jit_grad":
+        out = jax.jit(jax.grad(lambda v: op(v).sum()))(x)
+        expected, rules = 3 * xn ** 2, ["vjp"]  # the unused forward is not run
+    elif how == "eager":
+        out, expected, rules = op(x), xn ** 3, ["forward"]
+    else:
+        out, expected, rules = jax.grad(lambda v: op(v).sum())(x), 3 * xn ** 2, \
+            ["forward", "vjp"]
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-12)
+    assert sorted(_Cube.seen) == sorted((rule, (4, 6)) for rule in rules), _Cube.seen
+
+
+class _Lin(jd.Primitive, sharding="n m -> n m", linear=True):
+    @jd.abstract
+    def shapes(self, x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x):
+        return 3.0 * x
+
+    @jd.transpose
+    def back(self, ct):
+        return 3.0 * ct
+
+
+class _MatVec(jd.Primitive, sharding="b k, k -> b", reduce=("k",)):
+    @jd.abstract
+    def shapes(self, a, x):
+        return jax.ShapeDtypeStruct(a.shape[:1], a.dtype)
+
+    @jd.forward
+    def apply(self, a, x):
+        return a @ x
+
+    @jd.vjp
+    def pull(self, a, x, ct):
+        return np.outer(ct, x), a.T @ ct
+
+
+@pytest.mark.skipif(not hasattr(jax, "set_mesh"), reason="jax.set_mesh needs JAX >= 0.7")
+@pytest.mark.parametrize("how", ["grad", "vjp", "jvp", "vmap", "linear_transpose",
+                                 "jit_grad_replicated_matrix"])
+def test_explicit_axes_keep_the_sharding_in_every_result_type(how):
+    """With Explicit mesh axes, derivatives (jitted or not) carry their primal's sharding
+    in their types, as JAX's own ops do."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxdecl import _compat
+
+    mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,),
+                         devices=jax.devices()[:2])
+    xn = np.linspace(0.5, 2.0, 24).reshape(4, 6)
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jnp.asarray(xn), NamedSharding(mesh, P("d")))
+        if how == "grad":
+            out, want = jax.grad(lambda v: _Cube()(v).sum())(x), 3 * xn ** 2
+        elif how == "vjp":
+            out, want = jax.vjp(_Cube(), x)[1](x)[0], 3 * xn ** 3
+        elif how == "jvp":
+            out, want = jax.jvp(_Cube(), (x,), (x,))[1], 3 * xn ** 3
+        elif how == "vmap":  # a batch of two, each split by rows
+            x = jax.device_put(jnp.stack([xn, 2 * xn]), NamedSharding(mesh, P(None, "d")))
+            out, want = jax.vmap(_Cube())(x), np.stack([xn ** 3, 8 * xn ** 3])
+        elif how == "linear_transpose":
+            out, want = jax.linear_transpose(_Lin(), x)(x)[0], 3 * xn
+        else:
+            if not _compat.EXPLICIT_REDUCTIONS:
+                pytest.skip("a psum over Explicit axes needs JAX >= 0.9")
+            a = jax.device_put(jnp.asarray(xn[:, :4].T @ xn[:, :4]), NamedSharding(mesh, P()))
+            v = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("d")))
+            ga, gv = jax.jit(jax.grad(lambda a, v: _MatVec()(a, v).sum(), argnums=(0, 1)))(a, v)
+            assert jax.typeof(ga).sharding.spec == P(None, None), jax.typeof(ga)
+            assert jax.typeof(gv).sharding.spec == P("d"), jax.typeof(gv)
+            np.testing.assert_allclose(np.asarray(ga), np.outer(np.ones(4), np.arange(4.0)))
+            np.testing.assert_allclose(np.asarray(gv), np.asarray(a).T @ np.ones(4))
+            return
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-12)
+    assert "d" in tuple(jax.typeof(out).sharding.spec), jax.typeof(out)
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["declared", "undeclared"])
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_shard_map_over_some_mesh_axes_differentiates(axis_type, declared):
+    """shard_map manual over "x" only, on an x-by-y mesh: the op's results vary over "x"
+    as its operands do, so grad (jitted or not) gets the cotangent types it expects."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxdecl import _compat
+
+    if _compat.JAX_VERSION < (0, 7):
+        pytest.skip("JAX < 0.7 has no eager shard_map over some axes, nor jax.set_mesh")
+    kind = getattr(jax.sharding.AxisType, axis_type)
+    mesh = jax.make_mesh((2, 1), ("x", "y"), axis_types=(kind, kind), devices=jax.devices()[:2])
+    cube = _Cube if declared else _PlainCube
+    f = jax.shard_map(lambda v: cube()(v), mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                      axis_names={"x"})
+    xn = np.linspace(0.5, 2.0, 24).reshape(4, 6)
+    context = jax.set_mesh(mesh) if axis_type == "Explicit" else contextlib.nullcontext()
+    with context:
+        x = jax.device_put(jnp.asarray(xn), NamedSharding(mesh, P("x")))
+        np.testing.assert_allclose(np.asarray(f(x)), xn ** 3, rtol=1e-12)
+        for grad in (jax.grad(lambda v: f(v).sum()), jax.jit(jax.grad(lambda v: f(v).sum()))):
+            np.testing.assert_allclose(np.asarray(grad(x)), 3 * xn ** 2, rtol=1e-12)
+
+
 # ---------------------------------------------------------------------------------------
 # Subclasses redeclaring sharding=, and gathers forced by replicate= (2 host devices)
 # ---------------------------------------------------------------------------------------
@@ -287,9 +576,8 @@ def _mesh():
     return jax.make_mesh((2,), ("d",), axis_types=(AxisType.Auto,))
 
 
+@needs_split
 def test_gather_forced_by_replicate_warns_once_naming_op_input_and_factor():
-    import warnings
-
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 

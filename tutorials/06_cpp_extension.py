@@ -146,10 +146,10 @@ per_a = jax.vmap(saxpy, in_axes=(0, None, None))(scales, x, y)
 print("max |C++ - jnp| :", float(jnp.max(jnp.abs(per_a - scales[:, None] * x - y))))
 
 print("\n== float64 uses the double kernels; jd.check reviews every rule")
-with jax.enable_x64(True):
-    a64, x64, y64 = jnp.float64(-1.5), jnp.asarray(np.asarray(x), jnp.float64), \
-        jnp.asarray(np.asarray(y), jnp.float64)
-    print("float64 result:", saxpy(a64, x64, y64).dtype, "max |C++ - jnp| =",
-          float(jnp.max(jnp.abs(saxpy(a64, x64, y64) - reference(a64, x64, y64)))))
-    jd.check(saxpy, a64, x64, y64)
-    print("jd.check(saxpy, ...) passed: abstract, jvp, vjp, vmap and jit agree")
+jax.config.update("jax_enable_x64", True)
+a64, x64, y64 = jnp.float64(-1.5), jnp.asarray(np.asarray(x), jnp.float64), \
+    jnp.asarray(np.asarray(y), jnp.float64)
+print("float64 result:", saxpy(a64, x64, y64).dtype, "max |C++ - jnp| =",
+      float(jnp.max(jnp.abs(saxpy(a64, x64, y64) - reference(a64, x64, y64)))))
+jd.check(saxpy, a64, x64, y64)
+print("jd.check(saxpy, ...) passed: abstract, jvp, vjp, vmap and jit agree")

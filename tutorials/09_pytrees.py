@@ -3,11 +3,13 @@
 A SciPy ``cKDTree`` nearest-neighbour query whose parameters arrive as a dict
 and whose outputs are (distance: float, index: int): eager, ``jit``, ``grad``
 with respect to the dict, ``vmap`` over a batch of dicts, ``jd.check``, and the
-error when a rule returns the wrong structure. Any argument of an op may be a
-pytree of arrays (dict, tuple, list, NamedTuple, registered dataclass); every
-rule receives the same structure with NumPy arrays at the leaves, and
-``@abstract`` returns the output structure. Each result is compared with a
-brute-force nearest-neighbour search written in pure ``jax.numpy``.
+error when a rule returns the wrong structure. The derivative rules read the
+forward's result (``result=``), so a gradient queries the tree once. Any
+argument of an op may be a pytree of arrays (dict, tuple, list, NamedTuple,
+registered dataclass); every rule receives the same structure with NumPy arrays
+at the leaves, and ``@abstract`` returns the output structure. Each result is
+compared with a brute-force nearest-neighbour search written in pure
+``jax.numpy``.
 """
 
 import jax
@@ -30,7 +32,11 @@ class Nearest(jd.Primitive):
     held by the instance, never passed as an input. The index output is an
     integer, so it carries no tangent: the derivative rules see one float
     output, and a rule that produces exactly one tangent returns a bare array.
+    The rules take the keyword-only `result`, the forward's `(distance, index)`:
+    they know which point is nearest without querying the tree again.
     """
+
+    queries = 0  # how many times the tree was searched, for section 7
 
     def __init__(self, points):
         self.tree = cKDTree(np.asarray(points, np.float64))
@@ -50,28 +56,28 @@ class Nearest(jd.Primitive):
     @jd.forward
     def apply(self, x, params, *, out):
         distance, index = out  # `out` has the output structure: a tuple of writable views
+        type(self).queries += 1
         distance[...], index[...] = self.tree.query(self._queries(x, params))
 
-    def _unit(self, x, params):
+    def _unit(self, x, params, result):
         """(q - p_nearest) / |q - p_nearest|: the gradient of each distance wrt its query."""
+        distance, index = result  # the forward's output, integer index included: no new query
         q = self._queries(x, params)
-        distance, index = self.tree.query(q)
-        return q, (q - self.tree.data[index]) / distance[:, None]
+        return (q - self.tree.data[index]) / distance[:, None]
 
     @jd.jvp
-    def push(self, x, params, dx, dparams, *, out):
+    def push(self, x, params, dx, dparams, *, out, result):
         # One tangent per differentiable input, mirroring it: `dparams` is a dict like `params`.
         # Only `distance` is a float output, so `out` is that one array, not a tuple.
-        _, unit = self._unit(x, params)
+        unit = self._unit(x, params, result)
         dq = params["scale"] * dx + dparams["shift"] + dparams["scale"] * x
         np.sum(unit * dq, axis=1, out=out)
 
     @jd.vjp
-    def pull(self, x, params, ct):
+    def pull(self, x, params, ct, *, result):
         # One cotangent per float output (`ct` is the distance's); one returned per
         # differentiable input: x's array and a dict mirroring `params`.
-        _, unit = self._unit(x, params)
-        ct_q = ct[:, None] * unit
+        ct_q = ct[:, None] * self._unit(x, params, result)
         return params["scale"] * ct_q, {"shift": ct_q.sum(axis=0), "scale": np.sum(ct_q * x)}
 
 
@@ -164,8 +170,8 @@ class MisspeltNearest(Nearest):
     """The same op, but its @vjp returns the dict with a misspelt key."""
 
     @jd.vjp
-    def pull(self, x, params, ct):
-        ct_x, ct_params = super().pull(x, params, ct)
+    def pull(self, x, params, ct, *, result):
+        ct_x, ct_params = super().pull(x, params, ct, result=result)
         return ct_x, {"shift": ct_params["shift"], "scael": ct_params["scale"]}
 
 
@@ -184,3 +190,13 @@ except TypeError as error:
     print("TypeError:", error)
 else:
     raise SystemExit("a string leaf should have been reported")
+
+print("\n== 7. The derivative rules reuse the forward's result: one tree query per gradient")
+Nearest.queries = 0
+jax.block_until_ready(jax.jit(jax.value_and_grad(loss))(params))
+print("tree queries for value_and_grad:", Nearest.queries)
+assert Nearest.queries == 1
+Nearest.queries = 0
+jax.block_until_ready(jax.jvp(nearest, (x, params), tangents))
+print("tree queries for jvp            :", Nearest.queries)
+assert Nearest.queries == 1

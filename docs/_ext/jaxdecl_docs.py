@@ -3,9 +3,11 @@
 - Every ``tutorials/NN_*.py`` is run as a reader runs it (its own Python
   process, a fresh working folder, default devices) when the build starts, two
   at a time; its page shows the module docstring, the code, what it printed
-  and the figures it wrote. A tutorial that fails fails the build. Results are
-  cached under ``docs/_build`` by the hash of the script and of the package,
-  so a rebuild that changed neither does not run it again.
+  and the figures it wrote. A tutorial that fails fails the build. One whose
+  ``# requires: name`` package is not installed is shown without output,
+  saying so (CI installs them all). Results are cached under ``docs/_build``
+  by the hash of the script and of the package, so a rebuild that changed
+  neither does not run it again.
 - ``.. jaxdecl-api::`` documents every name in ``jaxdecl.__all__``, grouped;
   a name not in a group still appears (under "Other"), so a new public name
   is never left out of the reference.
@@ -20,8 +22,10 @@ import ast
 import concurrent.futures
 import hashlib
 import html.parser
+import importlib.util
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -110,21 +114,38 @@ def _title_and_intro(script: pathlib.Path) -> tuple:
     return first.strip().rstrip("."), rest.strip(), start + 1
 
 
+def _missing_requirements(script: pathlib.Path) -> list:
+    """The packages a tutorial's ``# requires: name`` lines (before its docstring) name that
+    this environment lacks."""
+    head = script.read_text().split('"""', 1)[0]
+    names = [name for line in re.findall(r"^# requires: (.+)$", head, re.M)
+             for name in line.split()]
+    return [name for name in names if importlib.util.find_spec(name) is None]
+
+
 def _write_if_changed(path: pathlib.Path, text: str) -> None:
     if not path.exists() or path.read_text() != text:
         path.write_text(text)
 
 
-def _page(script: pathlib.Path, output: str, figures: list, target: pathlib.Path) -> str:
+def _page(script: pathlib.Path, output, figures: list, target: pathlib.Path,
+          missing=()) -> str:
     title, intro, code_start = _title_and_intro(script)
     total = len(script.read_text().splitlines())
     relative = os.path.relpath(script, target.parent).replace(os.sep, "/")
+    if missing:
+        ran = (f"These pages were built without {', '.join(missing)}, so the tutorial was not "
+               f"run for them: install it (`pip install \".[{missing[0]}]\"`) and run the "
+               f"script to see its output.")
+    else:
+        ran = ("The output and figures below come from running it while these pages were "
+               "built.")
     lines = [GENERATED.format(source=f"tutorials/{script.name}"), f"# {title}\n", intro, "",
-             f"Run it from the repository root: `python tutorials/{script.name}`. The output "
-             f"and figures below come from running it while these pages were built.", "",
+             f"Run it from the repository root: `python tutorials/{script.name}`. {ran}", "",
              "```{literalinclude} " + relative, ":language: python",
-             f":lines: {code_start}-{total}", ":class: tutorial-code", "```", "",
-             "## Output", "", "```text", output.rstrip() or "(no output)", "```", ""]
+             f":lines: {code_start}-{total}", ":class: tutorial-code", "```", ""]
+    if output is not None:
+        lines += ["## Output", "", "```text", output.rstrip() or "(no output)", "```", ""]
     if figures:
         lines += ["## Figures", ""]
         for figure in figures:
@@ -151,6 +172,8 @@ def build_tutorials(app) -> None:
     timeout = app.config.jaxdecl_tutorial_timeout
 
     def one(script):
+        if _missing_requirements(script):
+            return script, (None, [], 0.0)
         cache = cache_root / f"{script.stem}-{_tutorial_hash(script, package)}"
         return script, _run(script, cache, timeout)
 
@@ -166,8 +189,14 @@ def build_tutorials(app) -> None:
                 shutil.copy(figure, destination)
             shown.append(figure)
         target = pages / f"{script.stem}.md"
-        _write_if_changed(target, _page(script, output, shown, target))
-        logger.info(f"tutorial {script.name}: {seconds:.1f} s, {len(shown)} figure(s)")
+        missing = _missing_requirements(script)
+        _write_if_changed(target, _page(script, output, shown, target, missing))
+        if missing:
+            # Not a warning: a reader without an optional package can still build the
+            # pages. CI installs every tutorial's requirements first, so it runs them all.
+            logger.info(f"tutorial {script.name}: not run, needs {', '.join(missing)}")
+        else:
+            logger.info(f"tutorial {script.name}: {seconds:.1f} s, {len(shown)} figure(s)")
 
 
 # ---------------------------------------------------------------------------------------
@@ -177,7 +206,7 @@ def build_tutorials(app) -> None:
 API_GROUPS = [
     ("Declaring an op", ["Primitive", "primitive", "PrimitiveMeta"]),
     ("Rule decorators", ["abstract", "forward", "jvp", "vjp", "transpose", "adjoint", "batch",
-                         "sharding"]),
+                         "sharding", "residuals"]),
     ("Sharding", ["ShardingRule"]),
     ("Checking an op", ["check"]),
     ("C kernels", ["cfunction", "CFunction", "include_dir"]),
