@@ -519,3 +519,24 @@ def test_shard_map_over_some_mesh_axes_differentiates(axis_type, declared):
         np.testing.assert_allclose(np.asarray(f(x)), xn ** 3, rtol=1e-12)
         for grad in (jax.grad(lambda v: f(v).sum()), jax.jit(jax.grad(lambda v: f(v).sum()))):
             np.testing.assert_allclose(np.asarray(grad(x)), 3 * xn ** 2, rtol=1e-12)
+
+
+@pytest.mark.skipif(not hasattr(jax, "set_mesh"), reason="jax.set_mesh needs JAX >= 0.7")
+def test_explicit_axes_lower_without_a_partitioner_callback():
+    """Under Explicit axes the types fix the plan while lowering: a shard_map of the rule,
+    no custom_partitioning (whose per-call callback dominates compile time), no gather."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,),
+                         devices=jax.devices()[:2])
+    xn = np.linspace(0.5, 2.0, 24).reshape(4, 6)
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jnp.asarray(xn), NamedSharding(mesh, P("d")))
+        f = jax.jit(lambda v: _Cube()(_Cube()(v)))
+        lowered = f.lower(x)
+        assert "CustomSPMDPartitioning" not in lowered.as_text()
+        assert "all-gather" not in lowered.compile().as_text()
+        _Cube.seen.clear()
+        np.testing.assert_allclose(np.asarray(f(x)), xn ** 9, rtol=1e-12)
+        assert _Cube.seen and all(shape == (2, 6) for _, shape in _Cube.seen), _Cube.seen
