@@ -540,3 +540,19 @@ def test_explicit_axes_lower_without_a_partitioner_callback():
         _Cube.seen.clear()
         np.testing.assert_allclose(np.asarray(f(x)), xn ** 9, rtol=1e-12)
         assert _Cube.seen and all(shape == (2, 6) for _, shape in _Cube.seen), _Cube.seen
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["declared", "undeclared"])
+def test_jit_of_vmap_over_a_sharded_batch(declared):
+    """The batch dim vmap adds is split over the devices: the op's result meets other
+    values (a sum) without losing the mesh, declared or not."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",),
+                             axis_types=(jax.sharding.AxisType.Auto,))
+    xn = np.linspace(0.5, 2.0, 48).reshape(2, 4, 6)
+    x = jax.device_put(jnp.asarray(xn), NamedSharding(mesh, P("d")))
+    cube = _Cube() if declared else _PlainCube()
+    out = jax.jit(jax.vmap(lambda v: cube(v) + v))(x)
+    np.testing.assert_allclose(np.asarray(out), xn ** 3 + xn, rtol=1e-12)
