@@ -1,14 +1,15 @@
-"""A row-wise FFT on an array sharded over 4 host devices: jaxdecl, JAXbind, jnp.fft.
+"""Sharding on 4 host devices: a row FFT vs JAXbind, undeclared ops, compile time.
 
 Usage::
 
-    python benchmarks/bench_sharding.py              # 64 x 8192 complex128, ~20 s on 2 cores
-    python benchmarks/bench_sharding.py --quick      # a smaller array, a few seconds
-    python benchmarks/bench_sharding.py --markdown   # also prints the table for README.md
+    python benchmarks/bench_sharding.py              # every section, ~2 min on 2 cores
+    python benchmarks/bench_sharding.py --quick      # small arrays, N = 1 and 10, ~7 s
+    python benchmarks/bench_sharding.py --markdown   # also prints the tables for README.md
 
 The script gives XLA 4 host CPU devices (``XLA_FLAGS``, set before JAX is
-imported) and shards the rows of the array over them. Variants, each
-``jax.jit`` of the transform along axis 1, one DUCC thread per call:
+imported). The first section, a row-wise FFT, shards the rows of a complex
+array over them. Variants, each ``jax.jit`` of the transform along axis 1, one
+DUCC thread per call:
 
 - ``jaxdecl``: ``jaxdecl.contrib.ducc.c2c(axes=(1,))``, which declares the rows
   independent: each device transforms its own 16 rows, no gather;
@@ -21,16 +22,42 @@ imported) and shards the rows of the array over them. Variants, each
 Before timing, the results are checked against each other (and ``jnp.fft``
 against NumPy), and the compiled HLO of each variant is searched for
 ``all-gather``. Variants are timed in interleaved rounds (:mod:`harness`).
+
+Two more sections, on the same 4 devices (rows sharded, Auto mesh axes):
+
+- **An op without a declaration against** ``jax.pure_callback`` (:func:`undeclared`):
+  the same NumPy work under ``jit``; an undeclared op gathers its input, runs
+  once on one device and hands the result to all. Also counts the rule calls
+  per evaluation (1 each), with a declared op (per shard) and ``jax.numpy`` for
+  contrast.
+- **Compile time of chained ops** (:func:`compile_times`): 1, 10, 50, 200 calls
+  of an elementwise op declared ``"b n -> b n"`` against the same program in
+  ``jax.numpy``, one instance called N times (``[same]``) and N instances of
+  distinct configuration (``[distinct]``), forward and ``grad``; trace, lowering
+  and XLA compile timed apart, every round a fresh program (nothing cached).
+  References: the same chain as plain ``custom_partitioning`` ops around
+  ``x * c`` (no jaxdecl: the cost of the mechanism) and the jaxdecl chain inside
+  a full-manual ``shard_map`` (no partitioning callbacks). At the largest N,
+  :func:`compile_breakdown` splits one compile into XLA's partition callbacks
+  (Python, on XLA's thread) and the rest.
+
 Results go to ``benchmarks/results_sharding.json``.
 """
+
 
 from __future__ import annotations
 
 import argparse
+import collections
+import cProfile
+import itertools
 import os
 import pathlib
 import platform
+import pstats
 import sys
+import time
+import weakref
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # 4 devices need the flag before JAX starts; any other XLA flags the caller set stay.
@@ -43,6 +70,7 @@ import ducc0
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -53,6 +81,7 @@ sys.path.insert(0, str(HERE))
 
 import harness
 
+import jaxdecl as jd
 from jaxdecl.contrib import ducc
 
 try:
@@ -63,6 +92,7 @@ except ImportError:  # the comparison runs without JAXbind's column
 
 NDEV = 4
 TARGET = 0.5  # jaxdecl / JAXbind, ratio of medians
+COMPILE_TARGET = 1.5  # jaxdecl / jax.numpy compile time at the largest N (issue 18)
 
 
 def _collectives(function, *args) -> list[str]:
@@ -70,13 +100,22 @@ def _collectives(function, *args) -> list[str]:
     return [w for w in ("all-gather", "all-to-all", "all-reduce") if w in text]
 
 
-def build(rows: int, cols: int):
-    """The variants (as makers for :func:`harness.build_variants`) and what their HLO holds."""
+def _mesh():
+    """A 1D mesh of the 4 host devices, axis "d" of type Auto."""
     if jax.device_count() < NDEV:
         raise SystemExit(f"needs {NDEV} devices, found {jax.device_count()}: XLA_FLAGS="
                          f"{os.environ.get('XLA_FLAGS')!r} was set after JAX started?")
-    mesh = jax.make_mesh((NDEV,), ("d",), axis_types=(AxisType.Auto,),
+    return jax.make_mesh((NDEV,), ("d",), axis_types=(AxisType.Auto,),
                          devices=jax.devices()[:NDEV])
+
+
+def _spec(value) -> str:
+    return str(getattr(value.sharding, "spec", value.sharding))
+
+
+def build(rows: int, cols: int):
+    """The variants (as makers for :func:`harness.build_variants`) and what their HLO holds."""
+    mesh = _mesh()
     rng = np.random.default_rng(0)
     host = rng.standard_normal((rows, cols)) + 1j * rng.standard_normal((rows, cols))
     sharded = jax.device_put(host, NamedSharding(mesh, P("d")))
@@ -101,8 +140,7 @@ def build(rows: int, cols: int):
     candidates = {name: None if name not in functions else
                   (lambda f=functions[name][0], x=functions[name][1]: lambda: f(x))
                   for name in order}
-    shardings = {name: str(getattr(f(x).sharding, "spec", f(x).sharding))
-                 for name, (f, x) in functions.items()}
+    shardings = {name: _spec(f(x)) for name, (f, x) in functions.items()}
     return candidates, collectives, shardings
 
 
@@ -120,14 +158,9 @@ def markdown(stats, median_ratios, min_ratios, collectives) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small array, few rounds")
-    parser.add_argument("--markdown", action="store_true", help="print the README table")
-    parser.add_argument("--out", default=str(HERE / "results_sharding.json"))
-    args = parser.parse_args()
-
-    if args.quick:
+def fft_section(quick: bool) -> dict:
+    """The row-wise FFT (jaxdecl, JAXbind, jnp.fft): the report's original keys."""
+    if quick:
         rows, cols, rounds, target_s = 16, 1024, 5, 0.01
     else:
         rows, cols, rounds, target_s = 64, 8192, 31, 0.2
@@ -150,13 +183,8 @@ def main() -> None:
     if ratio is not None:
         print(f"\njaxdecl / jaxbind = {ratio:.2f} (mins {min_ratios['jaxdecl']:.2f}); "
               f"target <= {TARGET}: {verdict}")
-    report = {
-        "meta": {"quick": args.quick, "python": platform.python_version(),
-                 "jax": jax.__version__, "ducc0": ducc0.__version__,
-                 "jaxbind": None if jaxbind is None else jaxbind.__version__,
-                 "cpus": os.cpu_count(), "devices": NDEV, "shape": [rows, cols],
-                 "dtype": "complex128", "nthreads": 1,
-                 "ratio": "variant time / jaxbind time (below 1: faster)"},
+    return {
+        "shape": [rows, cols],
         "variants": {name: s.as_dict() for name, s in stats.items()},
         "skipped": skipped,
         "ratio_median": median_ratios,
@@ -164,11 +192,529 @@ def main() -> None:
         "collectives": collectives,
         "result_shardings": shardings,
         "target": {"limit": TARGET, "ratio": ratio, "verdict": verdict},
+        "markdown": markdown(stats, median_ratios, min_ratios, collectives),
+    }
+
+
+# --- An op without a sharding declaration against jax.pure_callback --------------------
+
+RULE_CALLS: collections.Counter = collections.Counter()  # variant -> rule calls
+RULE_SHAPES: dict = collections.defaultdict(list)  # variant -> shapes the rule saw
+
+
+def _work(x):
+    """The NumPy work every host variant does: elementwise, a few passes over the array."""
+    return np.sin(x) * 2.0 + x
+
+
+def _count(name: str, x) -> None:
+    RULE_CALLS[name] += 1
+    RULE_SHAPES[name].append(tuple(x.shape))
+
+
+class Undeclared(jd.Primitive):
+    """`_work` without a sharding declaration: under jit it runs once, on gathered input."""
+
+    @jd.abstract
+    def shapes(self, x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x):
+        _count("jaxdecl[undeclared]", x)
+        return _work(x)
+
+
+class Declared(jd.Primitive, sharding="b n -> b n"):
+    """The same rule declared elementwise: every device runs it on its own rows."""
+
+    @jd.abstract
+    def shapes(self, x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x):
+        _count("jaxdecl[declared]", x)
+        return _work(x)
+
+
+def _callback(x):
+    _count("pure_callback", x)
+    return _work(x)
+
+
+def undeclared(quick: bool) -> dict:
+    """An undeclared op vs jax.pure_callback under jit, rows sharded over 4 devices."""
+    if quick:
+        rows, cols, rounds, target_s = 16, 1024, 5, 0.01
+    else:
+        rows, cols, rounds, target_s = 256, 4096, 21, 0.1
+    mesh = _mesh()
+    host = np.random.default_rng(1).standard_normal((rows, cols))
+    x = jax.device_put(host, NamedSharding(mesh, P("d")))
+    functions = {
+        "jaxdecl[undeclared]": jax.jit(Undeclared()),
+        "pure_callback": jax.jit(lambda v: jax.pure_callback(
+            _callback, jax.ShapeDtypeStruct(v.shape, v.dtype), v)),
+        "jaxdecl[declared]": jax.jit(Declared()),
+        "jnp": jax.jit(lambda v: jnp.sin(v) * 2.0 + v),
+    }
+    reference = _work(host)
+    np.testing.assert_allclose(functions["jaxdecl[undeclared]"](x), reference, rtol=1e-13)
+    candidates = {name: (lambda f=f: lambda: f(x)) for name, f in functions.items()}
+    # NumPy's and XLA's sin may differ in the last bits.
+    variants, skipped = harness.build_variants(candidates, rtol=1e-12, atol=1e-15)
+    if {"jaxdecl[undeclared]", "pure_callback"} - set(variants):
+        raise SystemExit(f"cannot compare the undeclared op: {skipped}")
+    # Rule calls of one evaluation (each function is compiled and has run already).
+    RULE_CALLS.clear()
+    RULE_SHAPES.clear()
+    results = {}
+    for name, f in functions.items():
+        results[name] = jax.block_until_ready(f(x))
+    calls = {name: RULE_CALLS[name] for name in functions if name != "jnp"}
+    shapes = {name: list(RULE_SHAPES[name]) for name in calls}
+    for name in ("jaxdecl[undeclared]", "pure_callback"):
+        if calls[name] != 1:
+            raise SystemExit(f"{name} ran its rule {calls[name]} times in one evaluation")
+    collectives = {name: _collectives(f, x) for name, f in functions.items()}
+    shardings = {name: _spec(r) for name, r in results.items()}
+    stats = harness.time_case(variants, rounds=rounds, target_s=target_s)
+    median_ratios = harness.ratios(stats, "pure_callback")
+    min_ratios = harness.ratios(stats, "pure_callback", key="min")
+    title = (f"sin(x)*2+x, {rows} x {cols} float64 rows sharded over {NDEV} devices: "
+             f"an op without a declaration vs jax.pure_callback")
+    harness.print_case(title, stats, {"/pure_callback": median_ratios,
+                                      "mins /pure_callback": min_ratios}, skipped)
+    print("rule calls per evaluation:", {n: f"{calls[n]} x {shapes[n][0]}" for n in calls})
+    print("collectives in the compiled HLO:",
+          {name: names or "none" for name, names in collectives.items()})
+    print("result shardings:", shardings)
+    return {
+        "title": title, "shape": [rows, cols], "dtype": "float64",
+        "variants": {name: s.as_dict() for name, s in stats.items()},
+        "skipped": skipped,
+        "ratio_median": median_ratios, "ratio_min": min_ratios,
+        "rule_calls_per_evaluation": calls,
+        "rule_shapes": {name: [list(s) for s in v] for name, v in shapes.items()},
+        "collectives": collectives,
+        "result_shardings": shardings,
+    }
+
+
+# --- Compile time of chained ops ---------------------------------------------------------
+
+
+class Scale(jd.Primitive, sharding="b n -> b n"):
+    """x * factor, a NumPy rule declared elementwise (both dims split freely)."""
+
+    def __init__(self, factor):
+        self.factor = factor
+
+    @jd.abstract
+    def shapes(self, x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x):
+        return x * self.factor
+
+    @jd.vjp
+    def pull(self, x, ct):
+        return ct * self.factor
+
+
+def _partitioned(function, rule: str):
+    """`function` as a bare custom_partitioning op that runs per shard (no jaxdecl)."""
+    wrapped = custom_partitioning(function)
+
+    def partition(mesh, arg_shapes, result_shape):
+        sharding = arg_shapes[0].sharding
+        return mesh, function, sharding, (sharding,) * len(arg_shapes)
+
+    wrapped.def_partition(partition=partition, sharding_rule=rule)
+    return wrapped
+
+
+def _partitioned_scale(factor):
+    """The reference: Scale's forward and vjp as custom_partitioning calls of x * factor."""
+    forward = _partitioned(lambda x: x * factor, "b n -> b n")
+    backward = _partitioned(lambda x, ct: ct * factor, "b n, b n -> b n")
+
+    @jax.custom_vjp
+    def scale(x):
+        return forward(x)
+
+    scale.defvjp(lambda x: (forward(x), x), lambda x, ct: (backward(x, ct),))
+    return scale
+
+
+def _chain(ops):
+    def program(v):
+        for op in ops:
+            v = op(v)
+        return v
+    return program
+
+
+def _factors(n: int, distinct: bool, fresh: int) -> list[float]:
+    """n factors near 1 (200 of them multiply to O(1)); `fresh` makes each round's new."""
+    base = 1.0 + 1e-7 * fresh
+    return [base + (1e-3 * i if distinct else 0.0) for i in range(n)]
+
+
+def _programs(n: int, mesh) -> dict:
+    """name -> make(fresh) -> the forward program; each call builds new ops and closures."""
+
+    def scale(c):
+        return lambda v: v * c
+
+    def same(make_op):
+        def make(fresh):
+            op = make_op(_factors(1, False, fresh)[0])
+            return _chain([op] * n)
+        return make
+
+    def distinct(make_op):
+        return lambda fresh: _chain([make_op(c) for c in _factors(n, True, fresh)])
+
+    def in_shard_map(fresh):
+        return jax.shard_map(_chain([Scale(c) for c in _factors(n, True, fresh)]), mesh=mesh,
+                             in_specs=P("d"), out_specs=P("d"))
+
+    return {"jaxdecl[same]": same(Scale), "jnp[same]": same(scale),
+            "jaxdecl[distinct]": distinct(Scale), "jnp[distinct]": distinct(scale),
+            "custom_partitioning[distinct]": distinct(_partitioned_scale),
+            "jaxdecl[shard_map]": in_shard_map}
+
+
+def _baseline(name: str) -> str:
+    """The jax.numpy program each variant is compared with."""
+    return "jnp[same]" if name.endswith("[same]") else "jnp[distinct]"
+
+
+def _with_grad(program):
+    return jax.grad(lambda v: program(v).sum())
+
+
+def _compile_once(program, x) -> tuple:
+    """``(compiled, (trace_s, lower_s, compile_s))`` of ``jax.jit(program)`` on `x`."""
+    t0 = time.perf_counter()
+    traced = jax.jit(program).trace(x)
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    compiled = lowered.compile()
+    t3 = time.perf_counter()
+    return compiled, (t1 - t0, t2 - t1, t3 - t2)
+
+
+def _compile_variant(make, grad: bool, x, key: str, last: dict, phases: dict):
+    """A variant for :func:`harness.time_case`: compiles a fresh program on every call,
+    keeping the executable in ``last[key]`` and the phases' seconds in ``phases[key]``."""
+    fresh = itertools.count()
+
+    def variant():
+        program = make(next(fresh))
+        if grad:
+            program = _with_grad(program)
+        last[key], times = _compile_once(program, x)
+        phases[key].append(times)
+
+    return variant
+
+
+def compile_times(ns, rounds: int, shape=(64, 128)) -> dict:
+    """Compile time of N chained ops, jaxdecl against jax.numpy, per N (see module docstring)."""
+    mesh = _mesh()
+    host = np.random.default_rng(2).standard_normal(shape)
+    x = jax.device_put(host, NamedSharding(mesh, P("d")))
+    report = {}
+    for k, n in enumerate(ns):
+        makers = _programs(n, mesh)
+        phases: dict = collections.defaultdict(list)
+        last: dict = {}
+        variants = {}
+        for mode in ("forward", "grad"):
+            for name, make in makers.items():
+                key = f"{name} {mode}"
+                variants[key] = _compile_variant(make, mode == "grad", x, key, last, phases)
+        # Every variant compiles a fresh program per round (new ops, new closures, new
+        # configuration), interleaved; one untimed round first, at the smallest N only.
+        stats = harness.time_case(variants, rounds=rounds, target_s=0.0, number=1,
+                                  warmup=1 if k == 0 else 0)
+        # The last round of every variant used the same factors: check the programs agree.
+        checks = {}
+        for key, compiled in last.items():
+            name, mode = key.split(" ")
+            value = np.asarray(compiled(x))
+            base = np.asarray(last[f"{_baseline(name)} {mode}"](x))
+            checks[key] = bool(np.allclose(value, base, rtol=1e-12, atol=0.0))
+        if not all(checks.values()):
+            raise SystemExit(f"compiled programs disagree at N={n}: "
+                             f"{[k for k, ok in checks.items() if not ok]}")
+        collectives = [w for w in ("all-gather", "all-to-all")
+                       if w in last["jaxdecl[distinct] forward"].as_text()]
+        entry = {"collectives_jaxdecl_forward": collectives}
+        for mode in ("forward", "grad"):
+            rows = {}
+            for name in makers:
+                key = f"{name} {mode}"
+                trace, lower, comp = (float(np.median(p)) for p in zip(*phases[key]))
+                rows[name] = {**stats[key].as_dict(), "trace_s": trace, "lower_s": lower,
+                              "compile_s": comp}
+            for name, row in rows.items():
+                base = rows[_baseline(name)]
+                row["vs_jnp"] = row["median_s"] / base["median_s"]
+                row["vs_jnp_compile_only"] = row["compile_s"] / base["compile_s"]
+                row["vs_custom_partitioning"] = (
+                    row["median_s"] / rows["custom_partitioning[distinct]"]["median_s"])
+            entry[mode] = rows
+        report[str(n)] = entry
+        _print_compile(n, entry, rounds)
+    return report
+
+
+def _print_compile(n: int, entry: dict, rounds: int) -> None:
+    print(f"\ncompile time, {n} chained op call(s), {NDEV} devices, median of {rounds} "
+          f"round(s): trace + lower + XLA compile")
+    print(f"  {'variant':30s} {'mode':8s} {'total':>11s} {'trace':>11s} {'lower':>11s} "
+          f"{'compile':>11s} {'/jnp':>6s} {'/cp':>6s}")
+    for mode in ("forward", "grad"):
+        for name, row in entry[mode].items():
+            print(f"  {name:30s} {mode:8s} {harness.format_time(row['median_s'])} "
+                  f"{harness.format_time(row['trace_s'])} {harness.format_time(row['lower_s'])} "
+                  f"{harness.format_time(row['compile_s'])} {row['vs_jnp']:6.2f} "
+                  f"{row['vs_custom_partitioning']:6.2f}")
+
+
+def compile_summary(report: dict) -> dict:
+    """jaxdecl / jnp per N and the verdict at the largest N."""
+    table = {n: {f"{mode} {case}": entry[mode][f"jaxdecl[{case}]"]["vs_jnp"]
+                 for mode in ("forward", "grad") for case in ("same", "distinct")}
+             for n, entry in report.items()}
+    largest = max(report, key=int)
+    worst = max(table[largest].values())
+    verdict = "PASS" if worst <= COMPILE_TARGET else "MISS"
+    print("\njaxdecl / jnp compile time (trace + lower + compile, ratio of medians):")
+    print(f"  {'N':>4s}" + "".join(f" {k:>17s}" for k in table[largest]))
+    for n, row in table.items():
+        print(f"  {n:>4s}" + "".join(f" {v:17.2f}" for v in row.values()))
+    print(f"at N={largest}: worst {worst:.2f}; target <= {COMPILE_TARGET}: {verdict}")
+    return {"ratios_vs_jnp": table, "target": {"limit": COMPILE_TARGET, "n": int(largest),
+                                               "worst_ratio": worst, "verdict": verdict}}
+
+
+def compile_markdown(report: dict) -> str:
+    lines = ["| N | mode | jaxdecl[same] ms | jnp[same] ms | ratio | jaxdecl[distinct] ms | "
+             "jnp[distinct] ms | ratio | custom_partitioning[distinct] ms | "
+             "jaxdecl[shard_map] ms |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for n, entry in report.items():
+        for mode in ("forward", "grad"):
+            r = entry[mode]
+            ms = {name: row["median_s"] * 1e3 for name, row in r.items()}
+            lines.append(
+                f"| {n} | {mode} | {ms['jaxdecl[same]']:.0f} | {ms['jnp[same]']:.0f} | "
+                f"{r['jaxdecl[same]']['vs_jnp']:.2f} | {ms['jaxdecl[distinct]']:.0f} | "
+                f"{ms['jnp[distinct]']:.0f} | {r['jaxdecl[distinct]']['vs_jnp']:.2f} | "
+                f"{ms['custom_partitioning[distinct]']:.0f} | "
+                f"{ms['jaxdecl[shard_map]']:.0f} |")
+    return "\n".join(lines)
+
+
+# --- Where one compile's time goes ----------------------------------------------------
+
+# Functions whose cumulative time the breakdown reports: (label, file suffix, name).
+# The first four are the callback's steps, one after another; the last two lie inside them.
+_STEPS = [
+    ("jaxdecl partition callback (plan, local equation, kernel)", "jaxdecl/_partition.py",
+     "partition"),
+    ("JAX traces the per-shard function (make_jaxpr)", "jax/_src/api.py", "make_jaxpr_f"),
+    ("JAX lowers it to a module (build_mlir_module_helper)", "interpreters/mlir.py",
+     "build_mlir_module_helper"),
+    ("JAX serializes the module (module_to_bytecode)", "interpreters/mlir.py",
+     "module_to_bytecode"),
+]
+_INSIDE = [
+    ("of the lowering: a new MLIR context (make_ir_context)", "interpreters/mlir.py",
+     "make_ir_context"),
+    ("of jaxdecl's callback: building kernels (op.kernel)", "jaxdecl/_partition.py",
+     "_prebuilt"),
+]
+
+
+class _CallbackClock:
+    """Times JAX's custom_partitioning partition callback, which XLA runs on its own thread.
+
+    Instruments JAX internals (``jax._src.custom_partitioning``): the callback starts by
+    looking its op up in ``_sharding_callbacks`` and ends with ``mlir.module_to_bytecode``.
+    With `profile`, a cProfile covers every callback (enabled on XLA's thread).
+    """
+
+    def __init__(self, profile: bool):
+        from jax._src import custom_partitioning as cp
+
+        self.cp, self.seconds, self.calls, self.lookups = cp, 0.0, 0, 0
+        self.profiler = cProfile.Profile() if profile else None
+        self._start = None
+        clock = self
+
+        class Lookup(weakref.WeakValueDictionary):
+            def __getitem__(self, key):
+                clock.lookups += 1
+                if clock._start is None:
+                    clock._start = time.perf_counter()
+                    if clock.profiler is not None:
+                        clock.profiler.enable()
+                return super().__getitem__(key)
+
+        class Mlir:
+            def __getattr__(self, name):
+                return getattr(clock.mlir, name)
+
+            def module_to_bytecode(self, module):
+                out = clock.mlir.module_to_bytecode(module)
+                if clock._start is not None:
+                    if clock.profiler is not None:
+                        clock.profiler.disable()
+                    clock.seconds += time.perf_counter() - clock._start
+                    clock.calls += 1
+                    clock._start = None
+                return out
+
+        self._lookup, self._mlir_proxy = Lookup, Mlir
+
+    def __enter__(self):
+        self.callbacks, self.mlir = self.cp._sharding_callbacks, self.cp.mlir
+        lookup = self._lookup()
+        lookup.update(self.callbacks)
+        self.cp._sharding_callbacks, self.cp.mlir = lookup, self._mlir_proxy()
+        return self
+
+    def __exit__(self, *exc):
+        self.cp._sharding_callbacks, self.cp.mlir = self.callbacks, self.mlir
+
+    def steps(self) -> dict:
+        """label -> share of the profiled callback time."""
+        stats = pstats.Stats(self.profiler)
+        total = stats.total_tt or 1.0
+
+        def cumulative(suffix, name):
+            return sum(v[3] for (path, _, func), v in stats.stats.items()
+                       if func == name and path.replace(os.sep, "/").endswith(suffix))
+
+        shares = {label: cumulative(s, n) / total for label, s, n in _STEPS}
+        shares["JAX, the rest (shardings to and from XLA, ...)"] = max(
+            0.0, 1.0 - sum(shares.values()))
+        shares.update({label: cumulative(s, n) / total for label, s, n in _INSIDE})
+        return shares
+
+
+def compile_breakdown(n: int, jnp_compile: dict, shape=(64, 128)) -> dict:
+    """Where one compile of N distinct jaxdecl ops goes, forward and grad (see _CallbackClock).
+
+    Two compiles per mode: one timed plainly (callbacks vs the rest), one under cProfile
+    (the callback's steps, as shares applied to the plain callback time).
+    """
+    try:
+        with _CallbackClock(profile=False):
+            pass
+    except (ImportError, AttributeError) as error:
+        print(f"\ncompile breakdown skipped: this JAX's custom_partitioning differs ({error})")
+        return {"skipped": str(error)}
+    mesh = _mesh()
+    x = jax.device_put(np.random.default_rng(3).standard_normal(shape),
+                       NamedSharding(mesh, P("d")))
+    make = _programs(n, mesh)["jaxdecl[distinct]"]
+    report = {}
+    for mode in ("forward", "grad"):
+        entry = {}
+        for profile in (False, True):
+            program = make(10_000 + 2 * profile + (mode == "grad"))
+            if mode == "grad":
+                program = _with_grad(program)
+            with _CallbackClock(profile=profile) as clock:
+                _, (trace, lower, comp) = _compile_once(program, x)
+            if not profile:
+                callbacks = clock.seconds
+                entry.update(trace_s=trace, lower_s=lower, compile_s=comp,
+                             partition_callbacks=clock.calls, callback_lookups=clock.lookups,
+                             callbacks_s=callbacks, xla_rest_s=comp - callbacks,
+                             xla_rest_minus_jnp_s=comp - callbacks - jnp_compile[mode])
+            else:
+                entry["callback_steps_s"] = {label: share * callbacks
+                                             for label, share in clock.steps().items()}
+        entry["jnp_compile_s"] = jnp_compile[mode]
+        entry["jaxdecl_share"] = (entry["callback_steps_s"][_STEPS[0][0]] / comp)
+        report[mode] = entry
+        _print_breakdown(n, mode, entry)
+    return report
+
+
+def _print_breakdown(n: int, mode: str, e: dict) -> None:
+    calls = max(e["partition_callbacks"], 1)
+    fmt = harness.format_time
+    print(f"\nwhere one compile goes: jaxdecl[distinct] {mode}, N={n}, {NDEV} devices")
+    print(f"  trace {fmt(e['trace_s'])}, lower {fmt(e['lower_s'])}, XLA compile "
+          f"{fmt(e['compile_s'])} (jnp[distinct] compile: {fmt(e['jnp_compile_s'])})")
+    print(f"  partition callbacks: {e['partition_callbacks']} calls, {fmt(e['callbacks_s'])} "
+          f"({e['callbacks_s'] / e['compile_s']:.0%} of the compile, "
+          f"{e['callbacks_s'] / calls * 1e3:.2f} ms each)")
+    inside = {label for label, _, _ in _INSIDE}
+    for label, seconds in e["callback_steps_s"].items():
+        indent = "      " if label in inside else "    "
+        print(f"{indent}{label:{66 - len(indent)}s} {fmt(seconds)}  "
+              f"{seconds / calls * 1e3:6.3f} ms/call")
+    print(f"  XLA itself (C++, the rest of the compile): {fmt(e['xla_rest_s'])}; less jnp's "
+          f"whole compile, {e['xla_rest_minus_jnp_s'] / calls * 1e3:.2f} ms per callback")
+    print(f"  jaxdecl's own callback code: {e['jaxdecl_share']:.1%} of the compile")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small arrays, few rounds")
+    parser.add_argument("--markdown", action="store_true", help="print the README tables")
+    parser.add_argument("--out", default=str(HERE / "results_sharding.json"))
+    args = parser.parse_args()
+
+    fft = fft_section(args.quick)
+    undeclared_report = undeclared(args.quick)
+    ns, rounds = ((1, 10), 2) if args.quick else ((1, 10, 50, 200), 5)
+    compile_report = compile_times(ns, rounds)
+    summary = compile_summary(compile_report)
+    largest = str(max(ns))
+    jnp_compile = {mode: compile_report[largest][mode]["jnp[distinct]"]["compile_s"]
+                   for mode in ("forward", "grad")}
+    breakdown = compile_breakdown(max(ns), jnp_compile)
+
+    fft_markdown = fft.pop("markdown")
+    report = {
+        "meta": {"quick": args.quick, "python": platform.python_version(),
+                 "jax": jax.__version__, "ducc0": ducc0.__version__,
+                 "jaxbind": None if jaxbind is None else jaxbind.__version__,
+                 "cpus": os.cpu_count(), "devices": NDEV, "shape": fft.pop("shape"),
+                 "dtype": "complex128", "nthreads": 1,
+                 "ratio": "variant time / jaxbind time (below 1: faster)"},
+        **fft,
+        "undeclared": undeclared_report,
+        "compile_time": {
+            "meta": {"ns": list(ns), "rounds": rounds, "shape": [64, 128],
+                     "dtype": "float64", "mesh": "4 devices, axis d Auto, input P('d')",
+                     "op": "Scale(c): x * c, sharding='b n -> b n', NumPy forward and vjp",
+                     "seconds": "trace + lower + XLA compile of a fresh program per round",
+                     "ratio": "vs_jnp: median / the jax.numpy program's median"},
+            "by_n": compile_report,
+            **summary,
+        },
+        "compile_breakdown": {"n": max(ns), "variant": "jaxdecl[distinct]", **breakdown},
     }
     harness.write_json(args.out, report)
     if args.markdown:
         print()
-        print(markdown(stats, median_ratios, min_ratios, collectives))
+        print(fft_markdown)
+        print()
+        print(compile_markdown(compile_report))
     print(f"wrote {args.out}")
 
 

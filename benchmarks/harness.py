@@ -104,7 +104,7 @@ def calibrate(fn: Callable[[], Any], target_s: float, max_number: int = 100_000)
 
 def time_case(variants: Mapping[str, Callable[[], Any]], *, rounds: int,
               target_s: float, warmup: int = 3, max_seconds: float | None = None,
-              min_rounds: int = 5) -> dict[str, Stats]:
+              min_rounds: int = 5, number: int | None = None) -> dict[str, Stats]:
     """Times already-compiled variants in interleaved rounds.
 
     Args:
@@ -114,6 +114,8 @@ def time_case(variants: Mapping[str, Callable[[], Any]], *, rounds: int,
       warmup: untimed calls of each variant before calibration.
       max_seconds: if given, fewer rounds (not fewer than `min_rounds`) when all
         of them would take longer than this (slow cases: large arrays).
+      number: if given, calls per batch for every variant, without calibrating (one
+        call per round for variants that must not repeat, e.g. a fresh compilation).
 
     Returns:
       name -> :class:`Stats` of the per-call time.
@@ -122,7 +124,8 @@ def time_case(variants: Mapping[str, Callable[[], Any]], *, rounds: int,
     for name in names:
         for _ in range(warmup):
             jax.block_until_ready(variants[name]())
-    numbers = {name: calibrate(variants[name], target_s) for name in names}
+    numbers = {name: number if number is not None else calibrate(variants[name], target_s)
+               for name in names}
     if max_seconds is not None:
         round_s = sum(_batch(variants[name], numbers[name]) for name in names)
         rounds = max(min_rounds, min(rounds, int(max_seconds / max(round_s, 1e-9))))

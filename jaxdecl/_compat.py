@@ -48,7 +48,7 @@ __all__ = [
     "Primitive", "Zero", "UndefinedPrimal", "is_undefined_primal", "instantiate_zeros",
     "not_mapped", "Tracer", "JaxRuntimeError", "ad", "batching", "mlir", "ir", "shard_map",
     "has_explicit_axes", "JAX_VERSION", "JAX_VERSION_TEXT", "SPLITS_PER_SHARD",
-    "EXPLICIT_REDUCTIONS", "shardy_enabled", "all_axes_manual",
+    "EXPLICIT_REDUCTIONS", "shardy_enabled", "all_axes_manual", "reshard",
     "forbid_host_transfers", "restore_host_transfers", "float0_zero", "not_tracing",
     "hold_weakly_in_caches",
     "get_aval", "hide_frames", "register_ffi_state_type",
@@ -85,6 +85,11 @@ def all_axes_manual(mesh) -> bool:
     if value is None:  # JAX < 0.7
         value = getattr(mesh, "_are_all_axes_manual", False)
     return bool(value)
+
+
+def reshard(value, spec):
+    """``jax.sharding.reshard``: `value` with the sharding `spec` in its type (JAX >= 0.7)."""
+    return jax.sharding.reshard(value, spec)
 
 
 def shard_map(function, mesh, in_specs, out_specs):

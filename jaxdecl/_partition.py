@@ -268,6 +268,49 @@ def lower(ctx, args, *, op, rule, wrt, primals, batch, factors, bind):
                               batch=batch, factors=factors, bind=bind, per_shard=per_shard)
 
 
+def lower_explicit(ctx, args, *, op, rule, wrt, primals, batch, factors, bind, mesh):
+    """Lowers one equation over Explicit mesh axes as a ``shard_map`` of the rule.
+
+    There the operand and result types carry their shardings, so the plan is
+    known while lowering (abstract evaluation made it, and refused what the op
+    cannot take): no ``custom_partitioning`` callback is needed, which keeps
+    compile time near that of JAX's own ops and the program cacheable. A
+    result whose type is less split than the plan's (a cotangent of a
+    replicated input) is resharded to its type.
+    """
+    specs = [_spec_of(a) for a in ctx.avals_in]
+    axis_sizes = dict(mesh.shape)
+    p = plan(factors, specs, axis_sizes)
+    local_primals, local_batch, _ = shard_equation(
+        op, rule, wrt, primals, batch, factors, p, axis_sizes,
+        [tuple(a.shape) for a in ctx.avals_in], [tuple(a.shape) for a in ctx.avals_out])
+    wanted = [_spec_of(a) for a in ctx.avals_out]
+
+    def local(*blocks):
+        outs = bind(op, rule, blocks, local_primals, local_batch, wrt)
+        return [_compat.psum(o, axes) if axes else o for o, axes in zip(outs, p.summed)]
+
+    mapped = _compat.shard_map(
+        local, mesh, in_specs=tuple(_compat.P(*s) for s in p.operand_specs),
+        out_specs=[_compat.P(*s) for s in p.result_specs])
+
+    def whole(*operands):
+        # A replicated operand beside one split along a shared factor is sliced to
+        # the plan first (no communication); results go to the types they must have.
+        operands = [_resharded(x, have, want)
+                    for x, have, want in zip(operands, specs, p.operand_specs)]
+        return [_resharded(o, have, want)
+                for o, have, want in zip(mapped(*operands), p.result_specs, wanted)]
+
+    return _compat.mlir.lower_fun(whole, multiple_results=True)(ctx, *args)
+
+
+def _resharded(value, have, want):
+    if tuple(have) == tuple(want):
+        return value
+    return _compat.reshard(value, _compat.P(*want))
+
+
 def lower_once(ctx, args, *, op, rule, wrt, primals, batch, bind):
     """Lowers an op without a declaration to run once, not once per device.
 

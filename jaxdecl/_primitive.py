@@ -182,6 +182,12 @@ def _lowering(ctx, *args, op, rule, wrt, primals, batch):
                                          primals=primals, batch=batch, bind=bind_rule)
         factors = _sharding.rule_factors(resolved, op.layout(primals), rule, wrt, batch,
                                          in_shapes)
+        mesh = _mesh_of(ctx.avals_in)
+        if mesh is not None and _compat.has_explicit_axes(mesh):
+            # The types fix every sharding now: no partitioner callback needed.
+            return _partition.lower_explicit(ctx, args, op=op, rule=rule, wrt=wrt,
+                                             primals=primals, batch=batch, factors=factors,
+                                             bind=bind_rule, mesh=mesh)
         return _partition.lower(ctx, args, op=op, rule=rule, wrt=wrt, primals=primals,
                                 batch=batch, factors=factors, bind=bind_rule)
     kernel, pin = op.kernel(rule, wrt, primals, batch, in_shapes)

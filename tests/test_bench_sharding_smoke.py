@@ -33,3 +33,45 @@ def test_quick_run_reports_every_variant(tmp_path):
         assert entry["median_s"] >= entry["min_s"] > 0, name
     assert report["ratio_median"]["jaxbind"] == pytest.approx(1.0)
     assert report["target"]["verdict"] in ("PASS", "MISS")
+
+    # An op without a declaration against jax.pure_callback: each runs its rule once.
+    undeclared = report["undeclared"]
+    assert set(undeclared["variants"]) == {"jaxdecl[undeclared]", "pure_callback",
+                                           "jaxdecl[declared]", "jnp"}
+    assert undeclared["skipped"] == {}  # every variant agreed with the others
+    assert undeclared["rule_calls_per_evaluation"] == {
+        "jaxdecl[undeclared]": 1, "pure_callback": 1, "jaxdecl[declared]": 4}
+    assert undeclared["rule_shapes"]["jaxdecl[undeclared]"] == [[16, 1024]]  # gathered
+    assert undeclared["collectives"]["jaxdecl[declared]"] == []
+    assert undeclared["ratio_median"]["pure_callback"] == pytest.approx(1.0)
+
+    # Compile time of chained ops, jaxdecl against jax.numpy, at N = 1 and 10.
+    compile_time = report["compile_time"]
+    assert set(compile_time["by_n"]) == {"1", "10"}
+    names = {"jaxdecl[same]", "jnp[same]", "jaxdecl[distinct]", "jnp[distinct]",
+             "custom_partitioning[distinct]", "jaxdecl[shard_map]"}
+    for n, entry in compile_time["by_n"].items():
+        assert entry["collectives_jaxdecl_forward"] == [], n  # the chain runs per shard
+        for mode in ("forward", "grad"):
+            assert set(entry[mode]) == names, (n, mode)
+            for name, row in entry[mode].items():
+                assert row["rounds"] == 2 and row["number"] == 1, (n, mode, name)
+                assert min(row["trace_s"], row["lower_s"], row["compile_s"]) > 0, (n, mode)
+                assert row["vs_jnp"] > 0, (n, mode, name)
+            assert entry[mode]["jnp[same]"]["vs_jnp"] == pytest.approx(1.0)
+    assert set(compile_time["ratios_vs_jnp"]["10"]) == {
+        "forward same", "forward distinct", "grad same", "grad distinct"}
+    assert compile_time["target"]["n"] == 10
+    assert compile_time["target"]["verdict"] in ("PASS", "MISS")
+
+    # Where one compile at the largest N goes (skipped only where JAX's internals differ).
+    breakdown = report["compile_breakdown"]
+    assert breakdown["n"] == 10
+    if "skipped" not in breakdown:
+        # One partition callback per op call; grad needs no forward of the last op.
+        assert breakdown["forward"]["partition_callbacks"] == 10
+        assert breakdown["grad"]["partition_callbacks"] == 19
+        for mode in ("forward", "grad"):
+            entry = breakdown[mode]
+            assert 0 < entry["callbacks_s"] < entry["compile_s"], mode
+            assert entry["callback_steps_s"], mode

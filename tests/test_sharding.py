@@ -600,3 +600,40 @@ def test_gather_forced_by_replicate_warns_once_naming_op_input_and_factor():
     # Another signature warns again, as does the eager path's first call.
     with pytest.warns(UserWarning, match=r"_ScaleMore: input 'x' is split along dim 1"):
         _ScaleMore()(jax.device_put(np.ones((2, 4)), NamedSharding(mesh, P(None, "d"))))
+
+
+@pytest.mark.skipif(not hasattr(jax, "set_mesh"), reason="jax.set_mesh needs JAX >= 0.7")
+def test_explicit_axes_lower_without_a_partitioner_callback():
+    """Under Explicit axes the types fix the plan while lowering: a shard_map of the rule,
+    no custom_partitioning (whose per-call callback dominates compile time), no gather."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,),
+                         devices=jax.devices()[:2])
+    xn = np.linspace(0.5, 2.0, 24).reshape(4, 6)
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jnp.asarray(xn), NamedSharding(mesh, P("d")))
+        f = jax.jit(lambda v: _Cube()(_Cube()(v)))
+        lowered = f.lower(x)
+        assert "CustomSPMDPartitioning" not in lowered.as_text()
+        assert "all-gather" not in lowered.compile().as_text()
+        _Cube.seen.clear()
+        np.testing.assert_allclose(np.asarray(f(x)), xn ** 9, rtol=1e-12)
+        assert _Cube.seen and all(shape == (2, 6) for _, shape in _Cube.seen), _Cube.seen
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["declared", "undeclared"])
+def test_jit_of_vmap_over_a_sharded_batch(declared):
+    """The batch dim vmap adds is split over the devices: the op's result meets other
+    values (a sum) without losing the mesh, declared or not."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",),
+                             axis_types=(jax.sharding.AxisType.Auto,))
+    xn = np.linspace(0.5, 2.0, 48).reshape(2, 4, 6)
+    x = jax.device_put(jnp.asarray(xn), NamedSharding(mesh, P("d")))
+    cube = _Cube() if declared else _PlainCube()
+    out = jax.jit(jax.vmap(lambda v: cube(v) + v))(x)
+    np.testing.assert_allclose(np.asarray(out), xn ** 3 + xn, rtol=1e-12)
