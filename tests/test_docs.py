@@ -28,12 +28,14 @@ def _blocks():
 
 
 @pytest.mark.parametrize("code", list(_blocks()))
-def test_docs_example_runs(code):
+def test_docs_example_runs(code, tmp_path):
     for library in re.findall(r"^import (ducc0|jaxbind|scipy|equinox)", code, re.M):
         pytest.importorskip(library)
-    # A fresh interpreter: examples set jax options and define classes freely.
+    # A fresh interpreter: examples set jax options and define classes freely. It runs
+    # outside the checkout (as a reader's script would), so that `import jaxdecl` finds the
+    # installed package, not the unbuilt source tree.
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=300, env=subprocess_env(), cwd=ROOT)
+                            timeout=300, env=subprocess_env(), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
