@@ -84,7 +84,7 @@ class OpHandle:
         self._shardings: dict = {}  # primals -> _sharding.Resolved or None
         self.declares_sharding = spec.sharding is not None or "sharding" in spec.rules
         self.eager_calls: dict = {}  # primals -> _eager.Call
-        self.sharded_calls: dict = {}  # (primals, mesh, operand specs) -> _eager.Call
+        self.sharded_calls: dict = {}  # see _partition.eager_call -> _eager.Call
         self.gather_warned: set = set()  # signatures warned about (see _partition.warn_gathers)
 
     def __repr__(self) -> str:
@@ -223,7 +223,6 @@ class OpHandle:
                 call = _eager.Call(kernel, layout.outputs, layout.single_output)
             self.eager_calls[primals] = call
         return call, operands, pin
-
 
     def sharded_eager_call(self, instance, operands: list, primals: tuple):
         """``(call, pin)``: the forward ready to run now, per shard, or None.

@@ -451,10 +451,7 @@ def common_mesh(operands) -> tuple:
             if mesh is not None and sharding.mesh != mesh:
                 return None, None
             mesh = sharding.mesh
-            spec = tuple(sharding.spec)
-            specs.append(spec + (None,) * (x.ndim - len(spec)))
-        else:
-            specs.append((None,) * x.ndim)
+        specs.append(_spec_of(x))
     return mesh, tuple(specs)
 
 

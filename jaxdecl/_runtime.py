@@ -402,7 +402,8 @@ def make_kernel(function, *, zero_copy: bool, io: RuleIO, context: str,
         _detach_views(exc, ins + outs)
         return stash(_explain(exc, context), context, keep=eager)
 
-    if run is element and zero_copy and single and not is_c:
+    hot = run is element and zero_copy and single and not is_c
+    if hot:
         # The hot path of an unbatched zero-copy rule. The dispatcher calls the
         # rule itself (``kernel.direct``: ``method([instance,] *ins, out=out)``)
         # and hands failures to ``kernel.on_failure``; `kernel` below is the
@@ -445,7 +446,7 @@ def make_kernel(function, *, zero_copy: bool, io: RuleIO, context: str,
                 return fail(exc, ins, outs, eager)
             return None
 
-    if run is element and zero_copy and single and not is_c:
+    if hot:
         kernel.direct, kernel.on_failure = method, on_failure
 
     def on_escape(is_output: bool, index: int, pending: str | None, eager: bool) -> str:
