@@ -603,7 +603,7 @@ def compile_markdown(report: dict) -> str:
 # Functions whose cumulative time the breakdown reports: (label, file suffix, name).
 # The first four are the callback's steps, one after another; the last two lie inside them.
 _STEPS = [
-    ("jaxdecl partition callback (plan, local equation, kernel)", "jaxdecl/_partition.py",
+    ("jaxdecl partition callback (plan, local equation, kernel)", "jaxdecl/_lowering.py",
      "partition"),
     ("JAX traces the per-shard function (make_jaxpr)", "jax/_src/api.py", "make_jaxpr_f"),
     ("JAX lowers it to a module (build_mlir_module_helper)", "interpreters/mlir.py",
@@ -614,8 +614,8 @@ _STEPS = [
 _INSIDE = [
     ("of the lowering: a new MLIR context (make_ir_context)", "interpreters/mlir.py",
      "make_ir_context"),
-    ("of jaxdecl's callback: building kernels (op.kernel)", "jaxdecl/_partition.py",
-     "_prebuilt"),
+    ("of jaxdecl's callback: building kernels (eqn.kernel)", "jaxdecl/_equation.py",
+     "kernel"),
 ]
 
 

@@ -21,7 +21,7 @@ Example:
 
 import os as _os
 
-from . import _autodiff, _batching  # noqa: F401 - register their rules on the primitive
+from . import _autodiff, _batching, _primitive  # noqa: F401 - register their rules on the primitive
 from . import _compat as _compat
 from ._cfunction import CFunction, cfunction, include_dir
 from ._check import check

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from . import _compat
 from ._errors import MissingRuleError, missing_rule
 from ._layout import FORWARD, FORWARD_SAVING, JVP, TRANSPOSE, TRANSPOSE_WRT, VJP, n_extra
-from ._primitive import bind_rule, broadcast_vmapped, jaxdecl_p
+from ._equation import bind, jaxdecl_p
+from ._lowering import broadcast_vmapped
 
 Zero = _compat.Zero
 
@@ -111,14 +112,15 @@ def _not_differentiable(op, rule) -> MissingRuleError:
     )
 
 
-def jvp_rule(operands, tangents, *, op, rule, wrt, primals, batch):
+def jvp_rule(operands, tangents, *, equation):
+    eqn = equation
+    op, rule, wrt, primals, batch = eqn.op, eqn.rule, eqn.wrt, eqn.primals, eqn.batch
     spec = op.spec
-    layout = op.layout(primals)
-    params = dict(primals=primals, batch=batch, wrt=wrt)
+    layout = eqn.layout
     if rule in (FORWARD, FORWARD_SAVING):
         _check_nondiff(op, layout, tangents[:len(layout.inputs)])
         if not spec.linear and not spec.multilinear:
-            return _jvp_nonlinear(op, layout, operands, tangents, primals, batch, rule)
+            return _jvp_nonlinear(eqn, layout, operands, tangents)
     elif rule in (TRANSPOSE, TRANSPOSE_WRT):
         lead = [i for i in range(len(layout.inputs)) if i != wrt] if rule == TRANSPOSE_WRT \
             else [i for i in range(len(layout.inputs)) if not layout.diff[i]]
@@ -132,11 +134,11 @@ def jvp_rule(operands, tangents, *, op, rule, wrt, primals, batch):
         form = _second_order_form(op, rule, layout, primals) if rule in (JVP, VJP) else None
         if form is None:
             raise _not_differentiable(op, rule if rule in (JVP, VJP) else JVP)
-        evaluate = broadcast_vmapped(form, batch, len(operands))
+        evaluate = broadcast_vmapped(form, batch)
         dense = [_compat.instantiate_zeros(t) if _is_zero(t) else t for t in tangents]
         return jax.jvp(lambda *a: evaluate(*a), list(operands), dense)
 
-    outs = bind_rule(op, rule, operands, **params)
+    outs = bind(eqn, operands)
     out_avals = [o.aval for o in outs]
     float_mask = layout.float_out if rule == FORWARD else (True,) * len(outs)
     live = [k for k in slots if not _is_zero(tangents[k])]
@@ -147,13 +149,13 @@ def jvp_rule(operands, tangents, *, op, rule, wrt, primals, batch):
         args = list(operands)
         for k in slots:
             args[k] = _compat.instantiate_zeros(tangents[k])
-        terms = [bind_rule(op, rule, args, **params)]
+        terms = [bind(eqn, args)]
     else:  # multilinear: one term per slot with a tangent
         terms = []
         for k in live:
             args = list(operands)
             args[k] = tangents[k]
-            terms.append(bind_rule(op, rule, args, **params))
+            terms.append(bind(eqn, args))
     total = [sum(t[j] for t in terms[1:]) + terms[0][j] if len(terms) > 1 else terms[0][j]
              for j in range(len(outs))]
     tangents_out = [total[j] if float_mask[j] else _compat.float0_zero(out_avals[j])
@@ -165,13 +167,14 @@ def _is_float0(t) -> bool:
     return not _is_zero(t) and getattr(t, "dtype", None) == jax.dtypes.float0
 
 
-def _jvp_nonlinear(op, layout, operands, tangents, primals, batch, rule=FORWARD):
-    """The forward and its tangents; `rule` is ``forward_saving`` only at second order."""
+def _jvp_nonlinear(eqn, layout, operands, tangents):
+    """The forward and its tangents; the rule is ``forward_saving`` only at second order."""
+    op, rule, primals = eqn.op, eqn.rule, eqn.primals
     diff = layout.diff_indices
     keeps = op.spec.keeps
     live = any(not _is_zero(tangents[i]) for i in diff)
     if not live or not any(layout.float_out):
-        outs = bind_rule(op, rule, operands, primals, batch)
+        outs = bind(eqn, operands)
         return outs, [_compat.float0_zero(o.aval) for o in outs]
     if rule == FORWARD_SAVING:
         _refuse_residual_tangents(op, layout)
@@ -180,8 +183,8 @@ def _jvp_nonlinear(op, layout, operands, tangents, primals, batch, rule=FORWARD)
     inline = inline if "vjp" not in op.spec.rules else None  # else @vjp serves reverse mode
     if keeps is None:
         # Bound before the forward so that a missing @jvp fails before any rule runs.
-        tangent_outs = _tangents(op, inline, operands, dxs, (), primals, batch)
-        outs = bind_rule(op, FORWARD, operands, primals, batch)
+        tangent_outs = _tangents(eqn, inline, operands, dxs, ())
+        outs = bind(eqn.with_rule(FORWARD), operands)
         extra_outs = []
     else:
         if inline is None and "jvp" not in op.spec.rules and \
@@ -189,11 +192,10 @@ def _jvp_nonlinear(op, layout, operands, tangents, primals, batch, rule=FORWARD)
             raise missing_rule(op.spec, JVP)  # eager forward mode: before the forward runs
         # One forward: its outputs and residuals are the jvp's (and so the vjp's) extras.
         saving = keeps.saved
-        all_outs = bind_rule(op, FORWARD_SAVING if saving else FORWARD, operands, primals,
-                             batch)
+        all_outs = bind(eqn.with_rule(FORWARD_SAVING if saving else FORWARD), operands)
         outs, extra_outs = all_outs[:len(layout.outputs)], all_outs[len(layout.outputs):]
         extras = (list(outs) if keeps.result else []) + list(extra_outs)
-        tangent_outs = _tangents(op, inline, operands, dxs, extras, primals, batch)
+        tangent_outs = _tangents(eqn, inline, operands, dxs, extras)
     tangent_iter = iter(tangent_outs)
     out_tangents = [next(tangent_iter) if f else _compat.float0_zero(o.aval)
                     for f, o in zip(layout.float_out, outs)]
@@ -204,12 +206,12 @@ def _jvp_nonlinear(op, layout, operands, tangents, primals, batch, rule=FORWARD)
         _compat.float0_zero(o.aval) for o in extra_outs]
 
 
-def _tangents(op, inline, operands, dxs, extras, primals, batch):
+def _tangents(eqn, inline, operands, dxs, extras):
     """The output tangents: the traceable @jvp inlined, or the jvp equation bound."""
     operands = list(operands) + list(dxs) + list(extras)
     if inline is not None:  # JAX differentiates and transposes the traceable rule itself
-        return broadcast_vmapped(inline, batch, len(operands))(*operands)
-    return bind_rule(op, JVP, operands, primals, batch)
+        return broadcast_vmapped(inline, eqn.batch)(*operands)
+    return bind(eqn.with_rule(JVP), operands)
 
 
 def _refuse_residual_tangents(op, layout) -> None:
@@ -244,9 +246,11 @@ def _operand_aval(x):
     return x.aval if _compat.is_undefined_primal(x) else _compat.get_aval(x)
 
 
-def transpose_rule(cts, *operands, op, rule, wrt, primals, batch):
+def transpose_rule(cts, *operands, equation):
+    eqn = equation
+    op, rule, wrt, primals, batch = eqn.op, eqn.rule, eqn.wrt, eqn.primals, eqn.batch
     spec = op.spec
-    layout = op.layout(primals)
+    layout = eqn.layout
     n = len(layout.inputs)
     undefined = [k for k, x in enumerate(operands) if _compat.is_undefined_primal(x)]
     out_cts = [None] * len(operands)
@@ -257,7 +261,6 @@ def transpose_rule(cts, *operands, op, rule, wrt, primals, batch):
             out_cts[k] = Zero(operands[k].aval)
         return out_cts
     float_cts = [_compat.instantiate_zeros(c) for c in float_cts]
-    params = dict(primals=primals, batch=batch)
 
     def defined(ks):
         return [operands[k] for k in ks]
@@ -266,7 +269,7 @@ def transpose_rule(cts, *operands, op, rule, wrt, primals, batch):
         lead = [i for i in range(n) if not layout.diff[i]]
         if any(k in undefined for k in lead):
             raise ValueError(f"{spec.name}: a nondiff input cannot be transposed")
-        results = bind_rule(op, TRANSPOSE, defined(lead) + float_cts, **params)
+        results = bind(eqn.with_rule(TRANSPOSE), defined(lead) + float_cts)
         for i, r in zip(layout.diff_indices, results):
             if i in undefined:
                 out_cts[i] = r
@@ -278,7 +281,7 @@ def transpose_rule(cts, *operands, op, rule, wrt, primals, batch):
             )
         i = undefined[0]
         others = [k for k in range(n) if k != i]
-        out_cts[i] = bind_rule(op, TRANSPOSE_WRT, defined(others) + float_cts, wrt=i, **params)[0]
+        out_cts[i] = bind(eqn.with_rule(TRANSPOSE_WRT, i), defined(others) + float_cts)[0]
     elif rule == FORWARD:  # pragma: no cover - JAX only transposes linear equations
         raise ValueError(f"{spec.name} is not linear; its forward cannot be transposed")
     elif rule in (JVP, VJP):
@@ -289,9 +292,9 @@ def transpose_rule(cts, *operands, op, rule, wrt, primals, batch):
         args = xs + float_cts + extras
         inline = op.traceable(other, primals)
         if inline is not None:
-            results = broadcast_vmapped(inline, batch, len(args))(*args)
+            results = broadcast_vmapped(inline, batch)(*args)
         elif other in spec.rules:
-            results = bind_rule(op, other, args, **params)
+            results = bind(eqn.with_rule(other), args)
         else:
             raise missing_rule(spec, other)
         for k, r in zip(range(n, len(operands)), results):
@@ -303,7 +306,7 @@ def transpose_rule(cts, *operands, op, rule, wrt, primals, batch):
             args[i] = operands[position]
         for i, c in zip(layout.diff_indices, float_cts):
             args[i] = c
-        results = bind_rule(op, FORWARD, args, **params)
+        results = bind(eqn.with_rule(FORWARD), args)
         float_results = [r for r, f in zip(results, layout.float_out) if f]
         for k, r in zip(range(len(lead), len(operands)), float_results):
             out_cts[k] = r
@@ -315,7 +318,7 @@ def transpose_rule(cts, *operands, op, rule, wrt, primals, batch):
             for position, i in enumerate(others):
                 args[i] = operands[position]
             args[wrt] = float_cts[0]
-            results = bind_rule(op, FORWARD, args, **params)
+            results = bind(eqn.with_rule(FORWARD), args)
             float_results = [r for r, f in zip(results, layout.float_out) if f]
             for k, r in zip(range(n - 1, len(operands)), float_results):
                 if k in undefined:
@@ -329,7 +332,7 @@ def transpose_rule(cts, *operands, op, rule, wrt, primals, batch):
             args[wrt] = float_cts[0]
             rest = [args[i] for i in range(n) if i != j]
             cts_in = [operands[k] for k in range(n - 1, len(operands))]
-            out_cts[position] = bind_rule(op, TRANSPOSE_WRT, rest + cts_in, wrt=j, **params)[0]
+            out_cts[position] = bind(eqn.with_rule(TRANSPOSE_WRT, j), rest + cts_in)[0]
         else:
             raise ValueError(f"{spec.name}: a multilinear transpose was transposed in "
                              f"{len(undefined)} operands at once")

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from . import _compat, _structure
 from ._layout import FORWARD, TRANSPOSE
-from ._primitive import bind_rule, jaxdecl_p
+from ._equation import bind, jaxdecl_p
 
 not_mapped = _compat.not_mapped
 
@@ -33,7 +33,9 @@ def _batch_size(args, dims) -> int:
     raise ValueError("jaxdecl: vmap of an equation with no batched operand")  # pragma: no cover
 
 
-def batch_rule(args, dims, *, op, rule, wrt, primals, batch):
+def batch_rule(args, dims, *, equation):
+    eqn = equation
+    op, rule, primals = eqn.op, eqn.rule, eqn.primals
     spec = op.spec
     user = spec.rules.get("batch")
     if user is not None and rule == FORWARD:
@@ -43,7 +45,7 @@ def batch_rule(args, dims, *, op, rule, wrt, primals, batch):
     size = _batch_size(args, dims)
     moved = [jnp.expand_dims(x, 0) if d is not_mapped else jnp.moveaxis(x, d, 0)
              for x, d in zip(args, dims)]
-    outs = bind_rule(op, rule, moved, primals, (size,) + batch, wrt=wrt)
+    outs = bind(eqn.with_shapes(primals, (size,) + eqn.batch), moved)
     return outs, [0] * len(outs)
 
 

@@ -10,7 +10,7 @@ from ._cfunction import CFunction
 from ._errors import RuleError
 from ._layout import FORWARD_SAVING
 from ._op import BoundOp, flatten_inputs, handle_of, spec_of
-from ._primitive import bind_rule
+from ._equation import Equation, bind
 from ._residuals import settle
 
 _DOT_RTOL = {"float16": 3e-2, "bfloat16": 3e-2, "float32": 2e-4, "complex64": 2e-4}
@@ -108,8 +108,8 @@ def check(op, *args, rtol: float | None = None, seed: int = 0) -> None:
         if resolved.saved is not None:
             def residuals_of(flat):  # what the forward keeps when a derivative follows
                 operands, primals = flatten_inputs(spec, tree.unflatten(list(flat)))
-                kept = bind_rule(BoundOp(handle_of(op), op), FORWARD_SAVING, operands,
-                                 primals, ())
+                kept = bind(Equation(BoundOp(handle_of(op), op), FORWARD_SAVING, primals),
+                            operands)
                 return [np.asarray(r) for r in kept[len(layout.outputs):]]
 
             _check_residual_sharding(spec, leaves, layout, resolved, dot_rtol, residuals_of)

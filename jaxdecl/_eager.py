@@ -30,7 +30,9 @@ import functools
 import jax
 from jax.core import ShapedArray
 
-from . import _compat, _errors, _runtime
+from . import _compat, _errors, _plan, _runtime, _shardmap, _strategy
+from ._plan import Plan as _Plan
+from ._strategy import Strategy
 
 eager_p = _compat.Primitive("jaxdecl_eager_call")
 eager_p.multiple_results = True
@@ -82,24 +84,20 @@ def _nested(call, operands):
 
 
 @functools.lru_cache(maxsize=256)
-def sharded_executable(mesh, in_specs: tuple, out_specs: tuple, summed: tuple,
-                       out_avals: tuple):
+def sharded_executable(mesh, p: _Plan, once: bool, have: tuple, want: tuple, out_avals: tuple):
     """The jitted caller that runs a kernel on every device's block of sharded operands.
 
+    Built by :func:`jaxdecl._shardmap.build` (the one per-shard map builder).
     Like :func:`executable` it names no kernel (the slot is an operand,
     replicated), so every op whose per-shard signature, mesh and plan agree
-    shares it. `out_avals` are the per-device results; ``summed[i]`` lists the
-    mesh axes over which result `i`'s partial results are added.
+    shares it. `out_avals` are the per-device results.
     """
-    P = _compat.P
+    def run(slot, *blocks):
+        return eager_p.bind(slot, *blocks, out_avals=out_avals)
 
-    def local(slot, *blocks):
-        outs = eager_p.bind(slot, *blocks, out_avals=out_avals)
-        return [_compat.psum(o, axes) if axes else o for o, axes in zip(outs, summed)]
-
-    return jax.jit(_compat.shard_map(
-        local, mesh, in_specs=(P(),) + tuple(P(*s) for s in in_specs),
-        out_specs=[P(*s) for s in out_specs]))
+    return jax.jit(_shardmap.build(run, mesh, p, out_avals=out_avals, once=once, have=have,
+                                   want=want, explicit=_compat.has_explicit_axes(mesh),
+                                   lead=((),)))
 
 
 class Call:
@@ -154,3 +152,125 @@ def run(call: Call, operands):
         return tuple(results) if call.rebuild is None else call.rebuild(results)
     # Raised outside the except block: the rule's own __cause__/__context__ stay.
     raise original
+
+
+# ---------------------------------------------------------------------------------------
+# Operands that span several devices
+# ---------------------------------------------------------------------------------------
+
+def spans_devices(values) -> bool:
+    """True when some array among `values` (a pytree) lives on several devices."""
+    return any(getattr(getattr(a, "sharding", None), "num_devices", 1) > 1
+               for a in jax.tree_util.tree_leaves(values))
+
+
+def run_sharded(eqn, operands, *, single: bool = False, rebuild=None):
+    """Runs `eqn` now on operands spanning several devices, as its strategy says.
+
+    Per shard over the operands' mesh (:func:`sharded_call`), declared or not;
+    or once on one device where they share no mesh. Results come back on the
+    operands' mesh, with the shardings the plan implies, so they mix with the
+    operands in any later JAX op. `single`/`rebuild` shape the return value as
+    :class:`Call` does.
+    """
+    mesh, specs = _plan.common_mesh(operands)
+    explicit = mesh is not None and _compat.has_explicit_axes(mesh)
+    strategy = _strategy.choose(_strategy.facts(
+        devices=2, eager=True, common_mesh=mesh is not None, declared=eqn.declared,
+        explicit=explicit))
+    if strategy is Strategy.ONE_DEVICE:
+        return _one_device(eqn, operands, mesh, specs, single, rebuild)
+    call, pin = sharded_call(eqn, mesh, specs, operands, single=single, rebuild=rebuild)
+    whole = _compat.NamedSharding(mesh, _compat.P())
+    placed = [x if _on(x, mesh) else jax.device_put(x, whole) for x in operands]
+    result = run(call, placed)
+    del pin  # held until here: the kernel's op stays alive for the call
+    return result
+
+
+def _on(x, mesh) -> bool:
+    sharding = getattr(x, "sharding", None)
+    return isinstance(sharding, _compat.NamedSharding) and sharding.mesh == mesh
+
+
+def sharded_call(eqn, mesh, specs, operands, *, single=False, rebuild=None):
+    """``(call, pin)``: `eqn` ready to run now on each device's blocks (hold `pin`).
+
+    Runs through an executable shared by every op with the same per-shard
+    signature (nothing compiles per configuration); a rule's exception reaches
+    the caller as itself. Calls are cached on the op's handle.
+    """
+    cache = eqn.op.handle.sharded_calls
+    # The op's own eager call returns what @abstract declares (`single`, `rebuild`),
+    # the primitive's a flat list: the same equation and operands, two different calls.
+    key = (eqn, mesh, specs, single, rebuild is not None)
+    call = cache.get(key)
+    pin = call.kernel.pin() if call is not None else None
+    if pin is not None:
+        return call, pin
+    in_shapes = tuple(tuple(x.shape) for x in operands)
+    factors = eqn.factors(in_shapes)
+    axis_sizes = dict(mesh.shape)
+    p = _plan.plan_for(eqn, factors, specs, axis_sizes,
+                       explicit=_compat.has_explicit_axes(mesh))
+    shard, local_in = _plan.local_equation(eqn, factors, p, axis_sizes, in_shapes)
+    kernel, pin = shard.kernel(local_in)
+    want = tuple(tuple(s) for s in _plan.result_specs(eqn, p, specs))
+    caller = sharded_executable(mesh, p, not eqn.declared, tuple(specs), want,
+                                shard.out_avals())
+    call = Call(kernel, shard.out_avals(), single, rebuild=rebuild, caller=caller)
+    cache[key] = call
+    return call, pin
+
+
+def _one_device(eqn, operands, mesh, specs, single, rebuild):
+    """`eqn` run once on one device, its results placed back where they belong."""
+    placements = None
+    mesh = mesh if mesh is not None else _compat.context_mesh()
+    if mesh is not None:
+        whole = [(None,) * len(s) for s, _ in eqn.out_avals()]
+        per_result = _plan.result_specs(eqn, _plan.Plan({}, (), tuple(whole), ()),
+                                        specs or [spec for spec in map(_plan.spec_of,
+                                                                       operands)])
+        placements = [_compat.NamedSharding(mesh, _compat.P(*s)) for s in per_result]
+
+    def run_whole(values):
+        in_shapes = tuple(tuple(x.shape) for x in values)
+        kernel, pin = eqn.kernel(in_shapes)
+        result = run(Call(kernel, eqn.out_avals(), single, rebuild=rebuild), values)
+        del pin
+        return result
+
+    return run_once(run_whole, operands, placements)
+
+
+def onto_one_device(values):
+    """`values` (a pytree) moved whole onto one device, where they span several.
+
+    Arrays another process holds parts of stay as they are.
+    """
+    leaves = jax.tree_util.tree_leaves(values)
+    sharded = [x for x in leaves if getattr(getattr(x, "sharding", None), "num_devices", 1) > 1]
+    if not sharded or not all(getattr(x, "is_fully_addressable", True) for x in sharded):
+        return values
+    device = min(sharded[0].sharding.device_set, key=lambda d: d.id)
+    return jax.device_put(values, device)
+
+
+def run_once(run_whole, values, placements=None):
+    """``run_whole(values)`` on one device, `values` (a pytree) moved there whole first.
+
+    Inside ``jax.set_mesh`` the run happens outside the context mesh (whose
+    ``jit`` would refuse one-device arrays). `placements` (a sharding per
+    result leaf, or None) say where the results go back; by default they stay.
+    """
+    if _compat.context_mesh() is None:
+        results = run_whole(onto_one_device(values))
+    else:
+        with _compat.outside_context_mesh():
+            results = run_whole(onto_one_device(values))
+    if placements is None:
+        return results
+    leaves, tree = jax.tree_util.tree_flatten(results)
+    return jax.tree_util.tree_unflatten(tree, [
+        jax.device_put(x, where) for x, where in zip(leaves, placements)])

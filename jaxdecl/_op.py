@@ -49,7 +49,6 @@ from . import (
     _eager,
     _fingerprint,
     _layout,
-    _partition,
     _residuals,
     _runtime,
     _sharding,
@@ -57,9 +56,9 @@ from . import (
     _structure,
 )
 from ._cfunction import CFunction
+from ._equation import Equation, bind
 from ._errors import missing_rule
 from ._layout import FORWARD, FORWARD_SAVING, TRANSPOSE, TRANSPOSE_WRT
-from ._primitive import bind_rule, refusal
 
 _lock = threading.RLock()
 _live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # config key -> handle
@@ -84,9 +83,9 @@ class OpHandle:
         self._shardings: dict = {}  # primals -> _sharding.Resolved or None
         self.declares_sharding = spec.sharding is not None or "sharding" in spec.rules
         self.eager_calls: dict = {}  # primals -> _eager.Call
-        self.sharded_calls: dict = {}  # see _partition.eager_call -> _eager.Call
-        self.gather_warned: set = set()  # signatures warned about (see _partition.warn_gathers)
-        self.split_checked: set = set()  # signatures whose split @abstract agrees (lower_split)
+        self.sharded_calls: dict = {}  # see _eager.sharded_call -> _eager.Call
+        self.gather_warned: set = set()  # equations warned about (see _plan.warn_gathers)
+        self.split_checked: set = set()  # equations whose split @abstract agrees (lower_split)
 
     def __repr__(self) -> str:
         return self.spec.name
@@ -224,21 +223,6 @@ class OpHandle:
                 call = _eager.Call(kernel, layout.outputs, layout.single_output)
             self.eager_calls[primals] = call
         return call, operands, pin
-
-    def sharded_eager_call(self, instance, operands: list, primals: tuple):
-        """``(call, pin)``: the forward ready to run now, per shard, or None.
-
-        See :func:`jaxdecl._partition.eager_call`; here the results come back
-        as ``@abstract`` declared them (one array, a tuple, pytrees).
-        """
-        layout = self.layout(primals, instance)
-        rebuilt = None
-        if layout.structured:
-            rebuilt = lambda outs, groups=layout.out_groups, single=layout.single_output: \
-                rebuild(groups, single, outs)  # noqa: E731
-        return _partition.eager_call(
-            BoundOp(self, instance), FORWARD, -1, primals, (), operands, describe=refusal,
-            single=layout.single_output and not layout.structured, rebuild=rebuilt)
 
 
 class BoundOp:
@@ -581,23 +565,26 @@ def bind_forward(op: BoundOp, args) -> object:
     layout = op.layout(primals)
     if op.handle.declares_sharding:
         op.sharding(primals)  # a declaration that does not fit the inputs fails here, named
-    outs = bind_rule(op, FORWARD, operands, primals, ())
+    outs = bind(Equation(op, FORWARD, primals), operands)
     if layout.structured:
         return rebuild(layout.out_groups, layout.single_output, outs)
     return outs[0] if layout.single_output else tuple(outs)
 
 
-def _sharded_eager(handle: OpHandle, instance, args):
-    """Runs a declared op now, per shard, on arguments that span several devices."""
+def _run_sharded(handle: OpHandle, instance, args):
+    """Runs the op now on arguments that span several devices (see _eager.run_sharded)."""
     operands, primals = flatten_inputs(handle.spec, args)
-    found = handle.sharded_eager_call(instance, operands, primals)
-    if found is None:
-        # Operands on different meshes: jit places them (or raises JAX's own error).
-        return jax.jit(lambda *a: bind_forward(BoundOp(handle, instance), a))(*args)
-    call, pin = found
-    result = _eager.run(call, operands)
-    del pin  # held until here: the kernel's op stays alive for the call
-    return result
+    op = BoundOp(handle, instance)
+    layout = op.layout(primals)
+    if handle.declares_sharding:  # a declaration that does not fit fails here, named
+        op.sharding(primals)
+    rebuilt = None
+    if layout.structured:
+        rebuilt = lambda outs, groups=layout.out_groups, single=layout.single_output: \
+            rebuild(groups, single, outs)  # noqa: E731
+    return _eager.run_sharded(Equation(op, FORWARD, primals), operands,
+                              single=layout.single_output and not layout.structured,
+                              rebuild=rebuilt)
 
 
 def _arguments(spec, args: tuple, kwargs: dict) -> tuple:
@@ -637,12 +624,9 @@ def apply_op(instance, args: tuple, kwargs: dict):
     if not _compat.not_tracing():
         check_static(spec, instance)
         return bind_forward(BoundOp(handle, instance), args)
-    if _partition.spans_devices(args):
-        if handle.declares_sharding:
-            # The shared single-device executable would gather; this runs per shard.
-            return _sharded_eager(handle, instance, args)
-        # Once, on one device, not once per device on gathered copies.
-        return _partition.run_once(lambda whole: apply_op(instance, tuple(whole), {}), args)
+    if _eager.spans_devices(args):
+        # The shared single-device executable would gather: the strategy decides.
+        return _run_sharded(handle, instance, args)
     try:
         call = handle.eager_calls[tuple([(a.shape, a.dtype) for a in args])]
         pin = call.kernel.pin()  # held until the call returns: the kernel's op stays alive

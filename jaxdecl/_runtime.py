@@ -30,7 +30,7 @@ Who owns what (an arrow is a strong reference; ``~>`` a weak one)::
   executable or eager call needs it: memory is bounded by what is alive.
 - Split programs (``custom_partitioning``) build their per-shard kernels in
   the partition callback, which only a compilation runs; their cache keys are
-  unique to one lowering (see :mod:`jaxdecl._partition`), so a program loaded
+  unique to one lowering (see :mod:`jaxdecl._lowering`), so a program loaded
   from the persistent cache never calls kernels this process did not build.
 
 The per-call path is deliberately plain: a zero-copy rule is one Python call

@@ -28,7 +28,7 @@ every operand and result of that rule. One declaration covers every rule:
   that a ``result=`` rule reads keep their declared factors.
 
 Which mesh axes a factor is split over is decided later, by
-:mod:`jaxdecl._partition`.
+:mod:`jaxdecl._plan` and :mod:`jaxdecl._lowering`.
 
 Example:
     >>> from jaxdecl._sharding import ShardingRule

@@ -71,12 +71,19 @@ def test_primitive_depends_on_nothing_above_it():
 
 
 def test_sharding_modules_sit_below_the_primitive():
-    """The factor logic and the per-shard lowering know nothing of ops, autodiff or batching."""
+    """The factor logic, the plan, the strategy and the per-shard builders know nothing of
+    ops, autodiff or batching."""
     graph = _graph()
     above = {"jaxdecl._primitive", "jaxdecl._autodiff", "jaxdecl._batching", "jaxdecl._op",
              "jaxdecl._declare", "jaxdecl._check", "jaxdecl"}
     assert graph["jaxdecl._sharding"] <= {"jaxdecl._errors"}, graph["jaxdecl._sharding"]
-    assert not graph["jaxdecl._partition"] & above, graph["jaxdecl._partition"]
+    for module in ("_plan", "_strategy", "_shardmap", "_lowering", "_eager", "_equation"):
+        assert not graph[f"jaxdecl.{module}"] & above, (module, graph[f"jaxdecl.{module}"])
+
+
+def test_strategy_is_a_pure_decision():
+    """The strategy chooser looks at facts only: it imports nothing that runs or lowers."""
+    assert _graph()["jaxdecl._strategy"] <= {"jaxdecl._compat"}
 
 
 def test_only_compat_knows_jax_internals_and_versions():

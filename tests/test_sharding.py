@@ -259,15 +259,15 @@ def test_where_jax_cannot_split_the_op_gathers_with_one_warning(monkeypatch):
 
 
 def test_explicit_sums_name_the_jax_they_need(monkeypatch):
-    from jaxdecl import _compat, _partition
+    from jaxdecl import _compat, _plan
 
     monkeypatch.setattr(_compat, "EXPLICIT_REDUCTIONS", False)
-    summing = _partition.Plan({"k": ("d",)}, ((None, "d"),), ((None,),), (("d",),))
+    summing = _plan.Plan({"k": ("d",)}, ((None, "d"),), ((None,),), (("d",),))
     with pytest.raises(_compat.ShardingTypeError, match=r"MatVec: .*needs JAX >= 0\.9 \(this is"):
-        _partition.check_explicit_sums("MatVec", summing)
-    _partition.check_explicit_sums("MatVec", _partition.Plan({}, ((None,),), ((None,),), ((),)))
+        _plan.check_explicit_sums("MatVec", summing)
+    _plan.check_explicit_sums("MatVec", _plan.Plan({}, ((None,),), ((None,),), ((),)))
     monkeypatch.setattr(_compat, "EXPLICIT_REDUCTIONS", True)
-    _partition.check_explicit_sums("MatVec", summing)
+    _plan.check_explicit_sums("MatVec", summing)
 
 
 class _Cube(jd.Primitive, sharding="n m -> n m"):
@@ -670,9 +670,9 @@ def _factors(operands, results, replicate=(), sizes=None):
     (_factors(((),), ((),)), False, 0),  # 0-d
 ])
 def test_split_rank_takes_only_elementwise_equations(factors, looped, rank):
-    from jaxdecl import _partition
+    from jaxdecl import _plan
 
-    assert _partition.split_rank(factors, 4, looped) == rank
+    assert _plan.split_rank(factors, 4, looped) == rank
 
 
 class _Twice(jd.Primitive, sharding="b n -> b n"):

@@ -2,8 +2,8 @@
 
 Mirrors the lifetime guarantees of jaxdecl/_runtime.py and csrc/handler.cc (a
 compiled program owns the kernels it calls until its last run has finished),
-jaxdecl/_partition.py (split programs never load another's cache entry) and
-the eager per-shard path of jaxdecl/_op.py.
+jaxdecl/_lowering.py (split programs never load another's cache entry) and
+the eager per-shard path of jaxdecl/_eager.py.
 
 Each cell runs ``helpers_stress.py`` in fresh interpreters, several times:
 ops built inside a temporary ``jax.jit`` called once (async dispatch drops
