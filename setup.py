@@ -11,7 +11,17 @@ from setuptools import setup
 
 dispatch = Pybind11Extension(
     "jaxdecl._dispatch",
-    ["csrc/handler.cc", "csrc/module.cc"],
+    [
+        "csrc/handler.cc",  # the execute handlers
+        "csrc/call_site.cc",  # the instantiate handler, per-executable state
+        "csrc/ffi_state.cc",
+        "csrc/python_kernel.cc",
+        "csrc/c_kernel.cc",
+        "csrc/views.cc",
+        "csrc/errors.cc",
+        "csrc/registry.cc",
+        "csrc/module.cc",  # the Python module
+    ],
     include_dirs=["jaxdecl/include", "csrc/third_party", numpy.get_include()],
     cxx_std=17,
     # api.h trips -Wreturn-type on g++ 12 in code we do not own.

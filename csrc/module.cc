@@ -1,4 +1,5 @@
-// jaxdecl._dispatch: the Python face of the FFI handler in handler.cc.
+// jaxdecl._dispatch: the Python face of the FFI handlers (handler.cc,
+// call_site.cc) and of the kernel registry (registry.h).
 
 #include <Python.h>
 

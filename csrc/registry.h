@@ -1,5 +1,5 @@
-// Shared between the FFI handler (handler.cc) and the Python module
-// (module.cc): the kernel registry and the dtype table.
+// Shared between the FFI handlers and the Python module (module.cc): the
+// kernel registry (registry.cc) and what Python configures in the handlers.
 //
 // A kernel is registered by Python for as long as an op of its configuration
 // (or a Python executable that lowered it) lives, and released when that owner

@@ -1,4 +1,4 @@
-"""jaxdecl's XLA FFI dispatcher (CPU), built from csrc/handler.cc and csrc/module.cc."""
+"""jaxdecl's XLA FFI dispatcher (CPU), built from csrc/ (module.cc is its Python face)."""
 
 from collections.abc import Callable
 from typing import Any

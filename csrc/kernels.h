@@ -1,0 +1,41 @@
+// Running one kernel on the buffers of one call: what every execute handler
+// does once it has found its kernel.
+//
+// Python kernels (python_kernel.cc) get NumPy views of the buffers, with the
+// GIL held; C kernels (c_kernel.cc, jaxdecl.h) get the raw buffers and run
+// without it.  Both return "" or the message the call fails with, and never
+// let an exception out.  A header of its own because the handlers
+// (handler.cc) choose between the two and the two share nothing else.
+
+#ifndef JAXDECL_CSRC_KERNELS_H_
+#define JAXDECL_CSRC_KERNELS_H_
+
+#include <string>
+
+#include "registry.h"
+#include "views.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxdecl {
+
+// One execution of a kernel, as the handler that received it describes it.
+struct Call {
+  ffi::RemainingArgs args;  // the rule's operands, in order
+  ffi::RemainingRets rets;  // the rule's results, in order
+  // An eager caller waits for this call and holds the op, so it can take the
+  // rule's exception back (a compiled executable's caller cannot).
+  bool eager;
+  ViewCache* cache;  // a compiled call site's reusable views, or null (eager)
+  int drop;          // trailing dimensions of every buffer the rule does not see
+};
+
+// Calls a Python kernel as kernel(inputs, outputs, eager) (or its direct
+// form), taking the GIL.
+std::string RunPythonKernel(const Kernel& kernel, const Call& call);
+
+// Calls a C kernel on the call's buffers, without the GIL.
+std::string RunCKernel(const Kernel& kernel, const Call& call);
+
+}  // namespace jaxdecl
+
+#endif  // JAXDECL_CSRC_KERNELS_H_

@@ -1,0 +1,162 @@
+// Python kernels (kernels.h): the per-call path of a rule written in Python.
+//
+// Kernels built by jaxdecl/_runtime.py get every buffer wrapped as a NumPy
+// array on XLA's own memory (views.h), called as `kernel(inputs, outputs,
+// eager)` with the GIL held; they return None, or an error message they
+// already formatted.  A zero-copy rule with one result is called directly
+// instead (Kernel::direct), one Python frame fewer.  Kept apart from the
+// handlers and the views because this is the only place that takes the GIL
+// and calls into Python per call: its cost is the dispatcher's overhead.
+
+#include <Python.h>
+
+#include "errors.h"
+#include "kernels.h"
+#include "views.h"
+
+namespace jaxdecl {
+namespace {
+
+PyObject* g_worker_enter = nullptr;  // () -> token
+PyObject* g_worker_exit = nullptr;   // (token) -> None
+
+PyObject* CallKernel(const Kernel& kernel, PyObject* inputs, PyObject* outputs,
+                     bool eager) {
+  PyObject* args[] = {inputs, outputs, eager ? Py_True : Py_False};
+  return PyObject_Vectorcall(kernel.call, args, 3, nullptr);
+}
+
+// Calls kernel.direct([instance,] *inputs, out=outputs[0]); returns None, or
+// the message on_failure made of what went wrong (null: on_failure failed).
+PyObject* CallDirect(const Kernel& kernel, PyObject* inputs, PyObject* outputs,
+                     bool eager) {
+  static PyObject* out_name = Py_BuildValue("(s)", "out");  // never freed
+  constexpr Py_ssize_t kMaxStack = 16;
+  Py_ssize_t n_in = PyTuple_GET_SIZE(inputs);
+  if (n_in + 2 > kMaxStack || PyTuple_GET_SIZE(outputs) != 1) {
+    return CallKernel(kernel, inputs, outputs, eager);
+  }
+  PyObject* argv[kMaxStack];
+  Py_ssize_t nargs = 0;
+  PyObject* instance = nullptr;  // a new reference, or null
+  if (kernel.instance_ref != nullptr) {
+#if PY_VERSION_HEX >= 0x030D0000
+    if (PyWeakref_GetRef(kernel.instance_ref, &instance) <= 0) PyErr_Clear();
+#else
+    instance = PyWeakref_GetObject(kernel.instance_ref);
+    if (instance == Py_None) instance = nullptr;
+    Py_XINCREF(instance);
+#endif
+    if (instance == nullptr) return CallKernel(kernel, inputs, outputs, eager);
+    argv[nargs++] = instance;
+  }
+  for (Py_ssize_t i = 0; i < n_in; ++i) argv[nargs++] = PyTuple_GET_ITEM(inputs, i);
+  argv[nargs] = PyTuple_GET_ITEM(outputs, 0);
+  PyObject* result = PyObject_Vectorcall(kernel.direct, argv, nargs, out_name);
+  Py_XDECREF(instance);
+  if (result == Py_None) return result;
+  return HandBackFailure(kernel, result, inputs, outputs, eager);
+}
+
+// Wraps (or re-points, with `call.cache`) the views, calls the kernel and
+// checks that it kept none.  GIL held.
+std::string RunWithViews(const Kernel& kernel, const Call& call) {
+  ViewCache* cache = call.cache;
+  std::string error;
+  PyObject* inputs = nullptr;
+  PyObject* outputs = nullptr;
+  bool reused = false;  // then the cache owns the tuples and we borrow them
+  if (cache != nullptr && !cache->busy && cache->inputs != nullptr) {
+    if (Repoint(cache->inputs, call.args, false, call.drop) &&
+        Repoint(cache->outputs, call.rets, true, call.drop) &&
+        Py_REFCNT(cache->inputs) == 1 && Py_REFCNT(cache->outputs) == 1) {
+      inputs = cache->inputs;
+      outputs = cache->outputs;
+      reused = true;
+    } else {
+      cache->Clear();
+    }
+  }
+  if (!reused) {
+    inputs = WrapAll(call.args, false, call.drop, &error);
+    outputs = inputs ? WrapAll(call.rets, true, call.drop, &error) : nullptr;
+  } else {
+    cache->busy = true;  // only the run that reuses the views releases them
+  }
+  if (outputs != nullptr) {
+    PyObject* result = kernel.direct != nullptr
+                           ? CallDirect(kernel, inputs, outputs, call.eager)
+                           : CallKernel(kernel, inputs, outputs, call.eager);
+    if (result == nullptr) {
+      error = FetchPythonError();
+    } else if (result != Py_None) {
+      error = MessageOf(result, "jaxdecl: a host kernel returned a non-string");
+    }
+    Py_XDECREF(result);
+    // An escape outranks the rule's own error: that error may be what holds
+    // the view (an exception carrying its output).
+    std::string escaped = CheckEscapes(kernel, inputs, outputs, error, call.eager);
+    if (!escaped.empty()) error = escaped;
+  }
+  if (cache != nullptr) {
+    if (reused) cache->busy = false;
+    if (!error.empty()) {
+      // A failed run's views may be held somewhere: never reuse them.
+      if (reused) cache->Clear();
+    } else if (!reused && !cache->busy && cache->inputs == nullptr &&
+               outputs != nullptr) {
+      cache->inputs = inputs;  // our references become the cache's
+      cache->outputs = outputs;
+      return error;
+    }
+  }
+  if (!reused) {
+    Py_XDECREF(inputs);
+    Py_XDECREF(outputs);
+  }
+  return error;
+}
+
+}  // namespace
+
+// `eager` calls come from the eager path, whose caller pins the op; compiled
+// call sites pin it themselves (see CallSite).
+std::string RunPythonKernel(const Kernel& kernel, const Call& call) {
+  if (!Py_IsInitialized()) return "jaxdecl: the Python interpreter is gone";
+  // A thread Python has never seen is one of XLA's workers (see
+  // g_worker_enter in registry.h's SetWorkerHooks).
+  bool on_worker = PyGILState_GetThisThreadState() == nullptr;
+  PyGILState_STATE gil = PyGILState_Ensure();
+  // A call site pins its op; an eager caller pins it too, but a slot can be
+  // reused once released, so the eager path checks.
+  if (call.eager && !kernel.Alive()) {
+    std::string error = "jaxdecl: " + kernel.name + ": the op was deleted";
+    PyGILState_Release(gil);
+    return error;
+  }
+  PyObject* token = nullptr;
+  if (on_worker && g_worker_enter != nullptr) {
+    token = PyObject_CallNoArgs(g_worker_enter);
+    if (token == nullptr) PyErr_Clear();
+  }
+  std::string error = RunWithViews(kernel, call);
+  if (token != nullptr) {
+    PyObject* done = PyObject_CallOneArg(g_worker_exit, token);
+    if (done == nullptr) PyErr_Clear();
+    Py_XDECREF(done);
+    Py_DECREF(token);
+  }
+  PyGILState_Release(gil);
+  return error;
+}
+
+void SetWorkerHooks(PyObject* enter, PyObject* exit) {
+  Py_XINCREF(enter);
+  Py_XINCREF(exit);
+  Py_XDECREF(g_worker_enter);
+  Py_XDECREF(g_worker_exit);
+  g_worker_enter = enter;
+  g_worker_exit = exit;
+}
+
+}  // namespace jaxdecl
