@@ -203,7 +203,7 @@ def sharded_call(eqn, mesh, specs, operands, *, single=False, rebuild=None):
     cache = eqn.op.handle.sharded_calls
     # The op's own eager call returns what @abstract declares (`single`, `rebuild`),
     # the primitive's a flat list: the same equation and operands, two different calls.
-    key = (eqn, mesh, specs, single, rebuild is not None)
+    key = (eqn.key, mesh, specs, single, rebuild is not None)
     call = cache.get(key)
     pin = call.kernel.pin() if call is not None else None
     if pin is not None:
@@ -232,7 +232,7 @@ def _one_device(eqn, operands, mesh, specs, single, rebuild):
         per_result = _plan.result_specs(eqn, _plan.Plan({}, (), tuple(whole), ()),
                                         specs or [spec for spec in map(_plan.spec_of,
                                                                        operands)])
-        placements = [_compat.NamedSharding(mesh, _compat.P(*s)) for s in per_result]
+        placements = [_compat.NamedSharding(mesh, _plan.to_spec(s)) for s in per_result]
 
     def run_whole(values):
         in_shapes = tuple(tuple(x.shape) for x in values)

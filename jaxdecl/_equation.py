@@ -67,6 +67,14 @@ class Equation:
         batch = f" batch={self.batch}" if self.batch else ""
         return f"{self.op}.{self.rule}{wrt}{batch}"
 
+    @property
+    def key(self) -> tuple:
+        """The equation without its op: a key for caches the op's own handle holds.
+
+        (A handle keying by the whole equation would hold its own op alive.)
+        """
+        return (self.rule, self.wrt, self.primals, self.batch)
+
     def with_rule(self, rule: str, wrt: int = -1) -> Equation:
         """The equation of another rule of the same op, at the same shapes."""
         return Equation(self.op, rule, self.primals, self.batch, wrt)

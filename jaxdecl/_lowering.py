@@ -154,7 +154,7 @@ def lower_split(ctx, args, eqn, factors, devices: int):
     """
     rank = _plan.split_rank(factors, devices, eqn.looped)
     in_shapes = tuple(tuple(a.shape) for a in ctx.avals_in)
-    checked = (eqn, devices)  # every rule's shapes follow @abstract's
+    checked = (eqn.key, devices)  # every rule's shapes follow @abstract's
     if checked not in eqn.op.handle.split_checked:
         # Where XLA will split is decided later; check @abstract against the finest
         # split now (each factor over every device), as the callback path would.
@@ -231,8 +231,8 @@ def lower_partitioned(ctx, args, eqn, factors):
                                          axis_sizes=axis_sizes)
             named = _compat.NamedSharding
             return (mesh, lambda *blocks: tuple(local(*blocks)),
-                    tuple(named(mesh, _compat.P(*s)) for s in p.result_specs),
-                    tuple(named(mesh, _compat.P(*s)) for s in p.operand_specs))
+                    tuple(named(mesh, _plan.to_spec(s)) for s in p.result_specs),
+                    tuple(named(mesh, _plan.to_spec(s)) for s in p.operand_specs))
         except Exception as error:
             # XLA reports the failure as a JaxRuntimeError carrying this text.
             raise RuntimeError(

@@ -176,9 +176,9 @@ def warn_gathers(eqn, p: Plan) -> None:
     if not p.gathered:
         return
     warned = eqn.op.handle.gather_warned
-    if eqn in warned:
+    if eqn.key in warned:
         return
-    warned.add(eqn)
+    warned.add(eqn.key)
     io = eqn.io
     where = "" if eqn.rule == "forward" else f" (in its {eqn.rule} rule)"
     inputs = "; ".join(
@@ -291,6 +291,14 @@ def sdy_rule(factors):
         tuple(mapping(*(names[f] for f in v)) for v in factors.operands),
         tuple(mapping(*(names[f] for f in v)) for v in factors.results),
         reduction_factors=reduction, need_replication_factors=replicate)
+
+
+def to_spec(entries):
+    """A PartitionSpec of `entries`, trailing whole dims left out (as users write them)."""
+    entries = list(entries)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return _compat.P(*entries)
 
 
 def spec_of(struct) -> tuple:

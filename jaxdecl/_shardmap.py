@@ -20,7 +20,7 @@ Example:
     ...          idle=("d",))
     >>> twice = build(lambda x: [2 * x], mesh, p, out_avals=[((3,), "float32")], once=True,
     ...               have=[(None,)], want=[(None,)], explicit=False)
-    >>> [float(v) for v in jax.jit(twice)(jnp.ones(3))[0]]
+    >>> [float(v) for v in jax.jit(twice)(jnp.ones(3, "float32"))[0]]
     [2.0, 2.0, 2.0]
 """
 
@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _compat
+from ._plan import to_spec
 
 
 def local_body(run, p, *, out_avals, once: bool, axis_sizes: dict):
@@ -74,10 +75,9 @@ def build(run, mesh, p, *, out_avals, once: bool, have, want, explicit: bool, le
     leading operands passed through unsplit (the eager kernel slot).
     """
     local = local_body(run, p, out_avals=out_avals, once=once, axis_sizes=dict(mesh.shape))
-    P = _compat.P
     mapped = _compat.shard_map(
-        local, mesh, in_specs=tuple(P(*s) for s in lead) + tuple(P(*s) for s in p.operand_specs),
-        out_specs=[P(*s) for s in p.result_specs])
+        local, mesh, in_specs=tuple(map(to_spec, lead)) + tuple(map(to_spec, p.operand_specs)),
+        out_specs=[to_spec(s) for s in p.result_specs])
     n_lead = len(lead)
 
     def whole(*operands):
@@ -96,12 +96,11 @@ def _resharded(value, mesh, have, want):
     """`value` with spec `want` in its type (Explicit axes)."""
     if tuple(have) == tuple(want):
         return value
-    return _compat.reshard(value, _compat.NamedSharding(mesh, _compat.P(*want)))
+    return _compat.reshard(value, _compat.NamedSharding(mesh, to_spec(want)))
 
 
 def _constrained(value, mesh, have, want):
     """`value` laid out as `want` (Auto axes: a sharding constraint, not a type)."""
     if tuple(have) == tuple(want):
         return value
-    return jax.lax.with_sharding_constraint(
-        value, _compat.NamedSharding(mesh, _compat.P(*want)))
+    return jax.lax.with_sharding_constraint(value, _compat.NamedSharding(mesh, to_spec(want)))

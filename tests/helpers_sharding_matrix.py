@@ -369,8 +369,10 @@ def _batch_axis(mesh_name: str) -> str:
     return "d" if mesh_name == "1d" else "x"
 
 
-def build(transform: str, kind: Kind, f, mesh_name: str, rng, blocks: bool = False) -> Built:
-    """The cell's function of `f`; `blocks`: f runs on blocks, under shard_map."""
+def build(transform: str, kind: Kind, f, mesh_name: str, rng, blocks: bool = False,
+          whole_batch: bool = False) -> Built:
+    """The cell's function of `f`; `blocks`: f runs on blocks, under shard_map;
+    `whole_batch`: an undeclared op's vmapped dims come back whole (see _whole_batch)."""
     args = kind.args(rng)
     specs, out_spec = kind.specs[mesh_name], kind.out_spec[mesh_name]
     if not (kind.splits or blocks):  # an undeclared op's results are whole
@@ -433,7 +435,9 @@ def build(transform: str, kind: Kind, f, mesh_name: str, rng, blocks: bool = Fal
         axis = _batch_axis(mesh_name)
         batched = tuple(jax.tree.map(lambda a: np.stack([a + k for k in range(4)]), x)
                         for x in args)
-        whole = not (kind.splits or blocks)  # an undeclared op's batch is whole too
+        # An undeclared op keeps vmapped rows per device too (batch elements are
+        # independent), except where it runs directly on gathered inputs.
+        whole = whole_batch and not (kind.splits or blocks)
         return Built(jax.vmap(f), batched, _lead(_drop_axis(specs, axis), axis),
                      _lead(_drop_axis(out_spec, axis), None if whole else axis), inside=True)
     if transform == "scan":
@@ -636,7 +640,8 @@ def run_cell(mode: Mode, kind_name: str, transform: str, mesh) -> list:
         built = _under_shard_map(mode, kind, mesh, transform, kind.op)
         ref_fn = _under_shard_map(mode, kind, mesh, transform, kind.ref).fn
     else:
-        built = build(transform, kind, kind.op, mode.mesh, np.random.default_rng(0))
+        built = build(transform, kind, kind.op, mode.mesh, np.random.default_rng(0),
+                      whole_batch=explicit and not _compat.EXPLICIT_REDUCTIONS)
         ref_fn = build(transform, kind, kind.ref, mode.mesh, np.random.default_rng(0)).fn
     fn = jax.jit(built.fn) if mode.jit else built.fn
     context = jax.set_mesh(mesh) if explicit else contextlib.nullcontext()
@@ -698,10 +703,11 @@ def _check_lowering(explicit: bool, kind: Kind, transform: str, text: str) -> li
     vmap, rules that loop over the batch (batch="loop") cannot take the split lowering."""
     found = [name for marker, name in (("jaxdecl_dispatch_split", "split"),
                                        ("CustomSPMDPartitioning", "callback")) if marker in text]
-    if not kind.splits:
-        want = ["callback"]  # an undeclared op: gathered, run on the first device
-    elif explicit:
+    if explicit:
+        # A shard_map; an undeclared op before JAX 0.9: a direct call on gathered inputs.
         want = []
+    elif not kind.splits:
+        want = ["callback"]  # an undeclared op: its vmapped rows per device, the rest once
     elif transform == "vmap" and type(kind.op).__jaxdecl_spec__.batch_mode == "loop":
         want = ["callback"]
     else:

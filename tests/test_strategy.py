@@ -1,0 +1,133 @@
+"""The one decision of how a call runs (jaxdecl/_strategy.py), by itself and end to end.
+
+The chooser is a pure function, checked case by case and against the table in
+``docs/concepts/sharding.md``; the seams between modes that once took
+different code paths run in subprocesses with 4 host devices and with two
+processes (``helpers_seams.py``), each against ``jax.numpy``.
+"""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import pytest
+from conftest import needs_split, subprocess_env
+
+from jaxdecl._strategy import CallFacts, Strategy, choose
+
+HELPER = os.path.join(os.path.dirname(__file__), "helpers_seams.py")
+DOCS = pathlib.Path(__file__).parent.parent / "docs" / "concepts" / "sharding.md"
+
+#: Each row of the docs' table, as the facts it stands for.
+DOC_ROWS = {
+    "a traceable rule (`traceable=True`)": CallFacts(traceable=True, devices=4),
+    "one device": CallFacts(devices=1, declared=True),
+    "inside `shard_map`": CallFacts(devices=4, manual=True),
+    "eager, inputs on one mesh": CallFacts(devices=4, eager=True, common_mesh=True),
+    "eager, inputs on no common mesh": CallFacts(devices=4, eager=True),
+    "eager, Explicit axes, no declaration, JAX < 0.9": CallFacts(
+        devices=4, eager=True, common_mesh=True, explicit=True, explicit_reductions=False),
+    "`jit`, Explicit axes": CallFacts(devices=4, explicit=True),
+    "`jit`, Explicit axes, no declaration, JAX < 0.9": CallFacts(
+        devices=4, explicit=True, explicit_reductions=False),
+    "`jit`, Auto axes, an elementwise declaration": CallFacts(
+        devices=4, declared=True, elementwise=True),
+    "`jit`, Auto axes, any other declaration or none": CallFacts(devices=4),
+    "`jit`, a declaration, JAX < 0.7 or Shardy off": CallFacts(
+        devices=4, declared=True, elementwise=True, splits_per_shard=False),
+}
+
+
+def _doc_table() -> dict:
+    """``{case: strategy}`` from the docs' "How a call runs" table."""
+    text = DOCS.read_text().split("## How a call runs", 1)[1]
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) == 2 and cells[0] not in ("the call", "---"):
+            rows[cells[0]] = cells[1].split(":")[0]
+    return rows
+
+
+def test_docs_table_matches_the_chooser():
+    table = _doc_table()
+    assert set(table) == set(DOC_ROWS)
+    for case, facts in DOC_ROWS.items():
+        assert table[case] == choose(facts).value, case
+
+
+@pytest.mark.parametrize("declared", [False, True])
+@pytest.mark.parametrize("explicit", [False, True])
+def test_eager_and_traced_agree_on_one_device(declared, explicit):
+    for eager in (False, True):
+        facts = CallFacts(devices=1, declared=declared, explicit=explicit, eager=eager)
+        assert choose(facts) is Strategy.DIRECT
+
+
+def test_traceable_rules_always_inline():
+    for devices in (1, 4):
+        for manual in (False, True):
+            assert choose(CallFacts(traceable=True, devices=devices, manual=manual)) \
+                is Strategy.INLINE
+
+
+def test_undeclared_ops_take_the_declared_paths():
+    """No separate mechanism for ops without a declaration: their implied plan."""
+    assert choose(CallFacts(devices=4)) is Strategy.PARTITIONED
+    assert choose(CallFacts(devices=4, explicit=True)) is Strategy.PER_SHARD_MAP
+    assert choose(CallFacts(devices=4, eager=True, common_mesh=True)) is Strategy.PER_SHARD_MAP
+
+
+def test_implied_plan_of_an_undeclared_op_splits_only_vmapped_dims():
+    from jaxdecl._equation import undeclared_factors
+    from jaxdecl._plan import plan
+
+    factors = undeclared_factors((8,), [(8, 16), (1, 16)], [(8, 16)], [(16,), (16,)])
+    p = plan(factors, [("d", "e"), (None, "e")], {"d": 2, "e": 2})
+    assert p.operand_specs == (("d", None), (None, None))
+    assert p.result_specs == (("d", None),)
+    assert p.idle == ("e",)  # runs once along it
+    assert p.summed == ((),)
+
+
+def _scenario(*args) -> dict:
+    completed = subprocess.run([sys.executable, HELPER, *args], capture_output=True, text=True,
+                               timeout=600, env=subprocess_env())
+    lines = [line for line in completed.stdout.splitlines() if line.startswith("{")]
+    assert completed.returncode == 0 and lines, completed.stderr[-3000:]
+    return json.loads(lines[-1])["checks"]
+
+
+@needs_split
+def test_seams_on_four_devices():
+    checks = _scenario("devices")
+    failed = {name: value for name, value in checks.items() if value is not True}
+    assert not failed, failed
+    assert len(checks) >= 20
+
+
+@needs_split
+def test_seams_across_two_processes():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    children = [subprocess.Popen([sys.executable, HELPER, "processes", port, str(i)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 env=subprocess_env()) for i in range(2)]
+    try:
+        outputs = []
+        for child in children:
+            stdout, stderr = child.communicate(timeout=300)
+            lines = [line for line in stdout.splitlines() if line.startswith("{")]
+            assert child.returncode == 0 and lines, stderr[-3000:]
+            outputs.append(json.loads(lines[-1])["checks"])
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+    for process, checks in enumerate(outputs):
+        failed = {name: value for name, value in checks.items() if value is not True}
+        assert not failed, (process, failed)
