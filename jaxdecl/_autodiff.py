@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from . import _compat
+from ._equation import bind, jaxdecl_p
 from ._errors import MissingRuleError, missing_rule
 from ._layout import FORWARD, FORWARD_SAVING, JVP, TRANSPOSE, TRANSPOSE_WRT, VJP, n_extra
-from ._equation import bind, jaxdecl_p
 from ._lowering import broadcast_vmapped
 
 Zero = _compat.Zero

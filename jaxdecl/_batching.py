@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from . import _compat, _structure
-from ._layout import FORWARD, TRANSPOSE
 from ._equation import bind, jaxdecl_p
+from ._layout import FORWARD, TRANSPOSE
 
 not_mapped = _compat.not_mapped
 

@@ -6,11 +6,12 @@ import jax
 import numpy as np
 
 from . import _layout, _structure
+from ._call import flatten_inputs
 from ._cfunction import CFunction
+from ._equation import Equation, bind
 from ._errors import RuleError
 from ._layout import FORWARD_SAVING
-from ._op import BoundOp, flatten_inputs, handle_of, spec_of
-from ._equation import Equation, bind
+from ._op import BoundOp, handle_of, spec_of
 from ._residuals import settle
 
 _DOT_RTOL = {"float16": 3e-2, "bfloat16": 3e-2, "float32": 2e-4, "complex64": 2e-4}

@@ -14,9 +14,10 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _residuals, _signatures
+from ._call import apply_op
 from ._cfunction import CFunction
 from ._errors import DeclarationError
-from ._op import apply_op, spec_of  # noqa: F401 - spec_of re-exported
+from ._op import spec_of  # noqa: F401 - spec_of re-exported
 from ._sharding import ShardingRule, from_options
 
 RULE_KINDS = ("abstract", "forward", "jvp", "vjp", "transpose", "adjoint", "batch", "sharding",

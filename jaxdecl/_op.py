@@ -39,14 +39,8 @@ import dataclasses
 import threading
 import weakref
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
 from . import (
     _compat,
-    _dtypes,
-    _eager,
     _fingerprint,
     _layout,
     _residuals,
@@ -56,15 +50,14 @@ from . import (
     _structure,
 )
 from ._cfunction import CFunction
-from ._equation import Equation, bind
 from ._errors import missing_rule
+from ._identity import check_static, claim_fingerprint, config_key
 from ._layout import FORWARD, FORWARD_SAVING, TRANSPOSE, TRANSPOSE_WRT
 
 _lock = threading.RLock()
 _live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # config key -> handle
 _anchors: dict = {}  # id(instance) -> its handle, while the instance lives
 _unanchorable: list = []  # instances that cannot be weakly referenced: kept for good
-_by_fingerprint: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 # Bumped whenever the operand/result order a kernel sees changes: part of
 # every kernel fingerprint, so that old serialized executables are refused.
@@ -76,7 +69,7 @@ class OpHandle:
 
     def __init__(self, spec, cls, items):
         self.spec = spec
-        self.fingerprint = _claim_fingerprint(self, cls, items)
+        self.fingerprint = claim_fingerprint(self, cls, items)
         self._layouts: dict = {}
         self._rule_ios: dict = {}  # (primals, rule, wrt) -> RuleIO, its arity checked
         self._kernels: dict = {}
@@ -200,30 +193,6 @@ class OpHandle:
         )
         return _runtime.register(fingerprint, name, kernel, on_escape, ref)
 
-    def eager_call(self, instance, args) -> tuple:
-        """``(call, operands, pin)``: the forward ready to run eagerly on `args`.
-
-        Converts NumPy arrays and scalars to JAX arrays; the call is cached by
-        the operands' (shape, dtype), which is what :func:`apply_op` looks up.
-        """
-        operands, primals = flatten_inputs(self.spec, args)
-        call = self.eager_calls.get(primals)
-        pin = call.kernel.pin() if call is not None else None
-        if pin is None:
-            layout = self.layout(primals, instance)
-            if self.declares_sharding:  # a declaration that does not fit fails here, named
-                self.sharding(primals, instance)
-            in_shapes = tuple(shape for shape, _ in layout.inputs)
-            kernel, pin = self.kernel(instance, FORWARD, -1, primals, (), in_shapes)
-            if layout.structured:
-                call = _eager.Call(kernel, layout.outputs, False,
-                                   rebuild=lambda outs, groups=layout.out_groups,
-                                   single=layout.single_output: rebuild(groups, single, outs))
-            else:
-                call = _eager.Call(kernel, layout.outputs, layout.single_output)
-            self.eager_calls[primals] = call
-        return call, operands, pin
-
 
 class BoundOp:
     """The primitive's ``op`` parameter: a handle and the instance that bound it.
@@ -294,172 +263,6 @@ def spec_of(op):
     return spec
 
 
-# ---------------------------------------------------------------------------------------
-# Configurations and their handles
-# ---------------------------------------------------------------------------------------
-
-class _WeakKey:
-    """A dict key that stands for an instance without keeping it alive.
-
-    By identity, or by the class's own ``__eq__``/``__hash__``. A key whose
-    instance is gone equals nothing, so a reused ``id`` never finds the handle
-    of a dead op.
-    """
-
-    __slots__ = ("ref", "hash", "by_identity")
-
-    def __init__(self, instance, by_identity: bool):
-        self.ref = weakref.ref(instance)
-        self.by_identity = by_identity
-        self.hash = id(instance) if by_identity else hash((type(instance), instance))
-
-    def __hash__(self):
-        return self.hash
-
-    def __eq__(self, other):
-        if type(other) is not _WeakKey or other.by_identity != self.by_identity:
-            return False
-        a, b = self.ref(), other.ref()
-        if a is None or b is None:
-            return False
-        if self.by_identity:
-            return a is b
-        return type(a) is type(b) and bool(a == b)
-
-
-def _weak_or_strong_key(instance, by_identity: bool):
-    try:
-        return _WeakKey(instance, by_identity)
-    except TypeError:  # no __weakref__: such instances are kept for good (see _anchor)
-        return ("id", id(instance)) if by_identity else ("eq", type(instance), instance)
-
-
-_slot_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # class -> names
-
-
-def _attributes(instance) -> dict | None:
-    """The instance's configuration: its ``__dict__`` and the ``__slots__`` it has set."""
-    cls = type(instance)
-    names = _slot_names.get(cls)
-    if names is None:
-        names = []
-        for klass in cls.__mro__:
-            slots = vars(klass).get("__slots__", ())
-            for name in (slots,) if isinstance(slots, str) else slots:
-                if name in ("__dict__", "__weakref__"):
-                    continue
-                if name.startswith("__") and not name.endswith("__"):
-                    name = f"_{klass.__name__.lstrip('_')}{name}"  # name mangling
-                names.append(name)
-        names = _slot_names[cls] = tuple(names)
-    attributes = getattr(instance, "__dict__", None)
-    if not names:
-        return attributes
-    merged = dict(attributes or {})
-    for name in names:
-        try:
-            merged[name] = getattr(instance, name)
-        except AttributeError:  # a slot not set
-            pass
-    return merged
-
-
-def _config_key(instance):
-    """``(key, items)``: equal keys <=> instances share compiled code.
-
-    A class's own ``__eq__``/``__hash__`` decide where it defines them;
-    otherwise the instance attributes are compared when they are all hashable,
-    and identity is used when they are not.
-
-    `items` are the (name, type, value) triples of the configuration, for the
-    fingerprint; None when the op is keyed by identity.
-    """
-    cls = type(instance)
-    attributes = _attributes(instance)
-    items = None
-    if attributes is not None:
-        # Typed, so that 1, 1.0 and True are different configurations.
-        items = tuple(sorted((name, type(value), value) for name, value in attributes.items()))
-        if any(getattr(value, "__self__", None) is instance for _, _, value in items):
-            # A bound method of the op itself: a value key would hold the op for good.
-            return _weak_or_strong_key(instance, True), None
-    if cls.__eq__ is not object.__eq__ or cls.__hash__ is not object.__hash__:
-        try:
-            hash(instance)
-        except TypeError:
-            return _weak_or_strong_key(instance, True), None
-        return _weak_or_strong_key(instance, False), items
-    if items is None:
-        return _weak_or_strong_key(instance, True), None
-    try:
-        hash(items)
-    except TypeError:
-        return _weak_or_strong_key(instance, True), None
-    return ("attrs", cls, items), items
-
-
-def _claim_fingerprint(handle, cls, items) -> str:
-    """The configuration part of kernel fingerprints, unique among live handles."""
-    text = _fingerprint.configuration_token(cls, items)
-    owner = _by_fingerprint.get(text)
-    if owner is not None and owner is not handle:
-        # Another live handle has the same text (two classes with one qualified
-        # name, or a class whose __eq__ tells apart what its attributes do not).
-        text = f"{text}|{_fingerprint.process_unique()}"
-    _by_fingerprint[text] = handle
-    return text
-
-
-def _is_traced(value) -> bool:
-    """`value` is a JAX tracer, or a pytree (list, dict, Module, ...) holding one."""
-    if isinstance(value, _compat.Tracer):
-        return True
-    if isinstance(value, (int, float, complex, str, bytes, np.ndarray, jax.Array, type)) \
-            or value is None:
-        return False
-    try:
-        return any(isinstance(leaf, _compat.Tracer) for leaf in jax.tree_util.tree_leaves(value))
-    except Exception:  # noqa: BLE001 - an exotic object is no pytree of tracers
-        return False
-
-
-def check_static(spec, instance) -> None:
-    """Raises TypeError when the op's configuration, or a rule's closure, holds a tracer.
-
-    The rules run on the host, outside the trace, and read the configuration
-    there: a traced value (an array field of an equinox.Module op passed
-    through ``eqx.filter_jit``, an op built from a traced value, a rule closing
-    over one) cannot be read, and would fail later inside XLA.
-    """
-    for name, value in (_attributes(instance) or {}).items():
-        if _is_traced(value):
-            raise TypeError(
-                f"{spec.name}: the op's configuration attribute {name!r} is a JAX tracer: "
-                f"it is traced by the function that calls the op (jax.jit or "
-                f"eqx.filter_jit over an op with an array field, or an op built from a "
-                f"traced value). Configuration is static (the rules read it on the host), so "
-                f"either pass {name!r} as an input of the op (a parameter of @abstract and "
-                f"the rules; list it in nondiff= if it is not differentiated: the way for "
-                f"large arrays), or mark it static (`{name}: ... = eqx.field(static=True)` "
-                f"on an equinox field; or close over the op instead of passing it to the "
-                f"traced function)")
-    for rule in list(spec.rules.values()) + list(spec.transposes_wrt.values()):
-        code = getattr(rule.function, "__code__", None)
-        cells = getattr(rule.function, "__closure__", None) or ()
-        for variable, cell in zip(getattr(code, "co_freevars", ()), cells):
-            try:
-                value = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            if _is_traced(value):
-                raise TypeError(
-                    f"{spec.name}.{rule.name} (@{rule.kind}) closes over {variable!r}, a "
-                    f"JAX tracer of the function being traced; the rule runs on the host "
-                    f"and cannot read it. Either pass {variable!r} as an input of the op "
-                    f"(list it in nondiff= if it is not differentiated), or make it static: "
-                    f"a NumPy array or Python value computed outside the traced function")
-
-
 def _anchor(instance, handle: OpHandle) -> None:
     """Keeps `handle` alive while `instance` lives, and no longer."""
     first = id(instance) not in _anchors
@@ -480,7 +283,7 @@ def handle_of(instance) -> OpHandle:
     dataclass-like ops (equinox, nifty.re), and configuration set after a first
     use (nifty.re models evaluate themselves inside __init__) must count.
     """
-    key, items = _config_key(instance)
+    key, items = config_key(instance)
     handle = _live.get(key)
     if handle is None:
         spec = spec_of(instance)
@@ -495,143 +298,3 @@ def handle_of(instance) -> OpHandle:
     return handle
 
 
-# ---------------------------------------------------------------------------------------
-# Calling an op
-# ---------------------------------------------------------------------------------------
-
-def _as_operand(value, spec, name):
-    if isinstance(value, _ARRAYS):
-        operand = value
-    else:
-        try:
-            operand = jnp.asarray(value)
-        except (TypeError, ValueError) as error:
-            raise TypeError(
-                f"{spec.name}: input {name!r} is a {type(value).__name__} ({value!r:.80}), "
-                f"not an array: inputs are JAX or NumPy arrays or Python scalars. "
-                f"Configuration (flags, callables, strings) belongs on the instance, set in "
-                f"__init__ ({error})"
-            ) from None
-    _dtypes.check_supported(operand.dtype, f"{spec.name}: input {name}")
-    return operand
-
-
-_ARRAYS = (_compat.Tracer, jax.Array)
-_LEAVES = (_compat.Tracer, jax.Array, np.ndarray, np.generic, int, float, complex, bool)
-
-
-def flatten_inputs(spec, args) -> tuple:
-    """``(operands, primals)``: the op's arguments as flat JAX arrays, and its signature.
-
-    An array (or scalar) argument is one operand with a ``(shape, dtype)``
-    entry; a pytree argument contributes its leaves, with a
-    :class:`~jaxdecl._layout.TreeAval` entry that remembers its structure.
-    """
-    operands, primals = [], []
-    for value, name in zip(args, spec.params):
-        # None (an empty pytree) and lone leaves (a string, a callable) get
-        # _as_operand's error; arrays and scalars are converted directly.
-        leaves, tree = ((), None) if isinstance(value, _LEAVES) or value is None else \
-            jax.tree_util.tree_flatten(value)
-        if tree is None or jax.tree_util.treedef_is_leaf(tree):
-            operand = _as_operand(value, spec, name)
-            operands.append(operand)
-            primals.append((tuple(operand.shape), operand.dtype))
-            continue
-        paths = None
-        avals = []
-        for index, leaf in enumerate(leaves):
-            if not isinstance(leaf, _LEAVES):
-                if paths is None:
-                    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(value)[0]]
-                leaf = _as_operand(leaf, spec, name + jax.tree_util.keystr(paths[index]))
-            else:
-                leaf = _as_operand(leaf, spec, name)
-            operands.append(leaf)
-            avals.append((tuple(leaf.shape), leaf.dtype))
-        primals.append(_layout.TreeAval(tree, tuple(avals)))
-    return operands, tuple(primals)
-
-
-def rebuild(groups, single: bool, outs):
-    """The op's return value from its flat outputs: arrays and pytrees as @abstract said."""
-    values = _structure.pack(groups, outs)
-    return values[0] if single else tuple(values)
-
-
-def bind_forward(op: BoundOp, args) -> object:
-    """Binds the forward rule on JAX values; returns its result(s) as @abstract declared."""
-    operands, primals = flatten_inputs(op.spec, args)
-    layout = op.layout(primals)
-    if op.handle.declares_sharding:
-        op.sharding(primals)  # a declaration that does not fit the inputs fails here, named
-    outs = bind(Equation(op, FORWARD, primals), operands)
-    if layout.structured:
-        return rebuild(layout.out_groups, layout.single_output, outs)
-    return outs[0] if layout.single_output else tuple(outs)
-
-
-def _run_sharded(handle: OpHandle, instance, args):
-    """Runs the op now on arguments that span several devices (see _eager.run_sharded)."""
-    operands, primals = flatten_inputs(handle.spec, args)
-    op = BoundOp(handle, instance)
-    layout = op.layout(primals)
-    if handle.declares_sharding:  # a declaration that does not fit fails here, named
-        op.sharding(primals)
-    rebuilt = None
-    if layout.structured:
-        rebuilt = lambda outs, groups=layout.out_groups, single=layout.single_output: \
-            rebuild(groups, single, outs)  # noqa: E731
-    return _eager.run_sharded(Equation(op, FORWARD, primals), operands,
-                              single=layout.single_output and not layout.structured,
-                              rebuild=rebuilt)
-
-
-def _arguments(spec, args: tuple, kwargs: dict) -> tuple:
-    if not kwargs:
-        if len(args) != len(spec.params):
-            raise TypeError(
-                f"{spec.name} takes {len(spec.params)} input(s) ({', '.join(spec.params)}), "
-                f"got {len(args)}"
-            )
-        return args
-    values = dict(zip(spec.params, args))
-    for name, value in kwargs.items():
-        if name not in spec.params:
-            raise TypeError(f"{spec.name} has no input named {name!r} (inputs: {spec.params})")
-        if name in values:
-            raise TypeError(f"{spec.name} got input {name!r} twice")
-        values[name] = value
-    missing = [p for p in spec.params if p not in values]
-    if missing or len(args) > len(spec.params):
-        raise TypeError(f"{spec.name} takes inputs {spec.params}; missing {missing}")
-    return tuple(values[p] for p in spec.params)
-
-
-def apply_op(instance, args: tuple, kwargs: dict):
-    """``op(*args, **kwargs)``: staged into an active trace, else run now.
-
-    Under any trace (jit, vmap, grad, scan, eval_shape, ...) the op binds its
-    primitive, constants included. Outside, it runs through the shared eager
-    executable of its signature. The common case (JAX arrays whose signature
-    ran before) is a few dictionary lookups: the Python work here sits on the
-    critical path of every eager call.
-    """
-    handle = handle_of(instance)
-    spec = handle.spec
-    if kwargs or len(args) != len(spec.params):
-        args = _arguments(spec, args, kwargs)
-    if not _compat.not_tracing():
-        check_static(spec, instance)
-        return bind_forward(BoundOp(handle, instance), args)
-    if _eager.spans_devices(args):
-        # The shared single-device executable would gather: the strategy decides.
-        return _run_sharded(handle, instance, args)
-    try:
-        call = handle.eager_calls[tuple([(a.shape, a.dtype) for a in args])]
-        pin = call.kernel.pin()  # held until the call returns: the kernel's op stays alive
-        if pin is None:
-            raise KeyError
-    except (AttributeError, KeyError, TypeError):  # scalars, new signatures, dead kernels
-        call, args, pin = handle.eager_call(instance, args)
-    return _eager.run(call, args)

@@ -167,7 +167,8 @@ def devices() -> dict:
     # Explicit axes, one input split along a factor and the other replicated.
     explicit = jax.make_mesh((4,), ("d",), axis_types=(AxisType.Explicit,))
     with jax.set_mesh(explicit):
-        a = jax.device_put(jnp.arange(32.0).reshape(4, 8) / 10, NamedSharding(explicit, P(None, "d")))
+        a = jax.device_put(jnp.arange(32.0).reshape(4, 8) / 10,
+                           NamedSharding(explicit, P(None, "d")))
         v = jax.device_put(jnp.linspace(0.0, 1.0, 8), NamedSharding(explicit, P()))
         b = jax.device_put(jnp.arange(64.0).reshape(2, 4, 8) / 10,
                            NamedSharding(explicit, P(None, None, "d")))

@@ -1,0 +1,199 @@
+"""Calling an op: ``op(*args)`` staged into a trace, or run now.
+
+An op's arguments become flat JAX operands and a signature (``primals``:
+pytree arguments contribute their leaves); under any trace the forward
+equation is bound, outside one it runs through the shared eager executable of
+its signature, or by the strategy :mod:`jaxdecl._eager` chooses for arrays
+that span several devices.
+
+Example:
+    >>> import jax, jax.numpy as jnp, jaxdecl as jd
+    >>> class Scale(jd.Primitive):
+    ...     def __init__(self, factor):
+    ...         self.factor = factor
+    ...     @jd.abstract
+    ...     def shapes(self, x):
+    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    ...     @jd.forward
+    ...     def apply(self, x):
+    ...         return self.factor * x
+    >>> float(Scale(2.0)(jnp.float32(3.0)))  # eager
+    6.0
+    >>> float(jax.jit(Scale(2.0))(jnp.float32(3.0)))  # staged
+    6.0
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _compat, _dtypes, _eager, _layout, _structure
+from ._equation import Equation, bind
+from ._identity import check_static
+from ._layout import FORWARD
+from ._op import BoundOp, OpHandle, handle_of
+
+
+def _as_operand(value, spec, name):
+    if isinstance(value, _ARRAYS):
+        operand = value
+    else:
+        try:
+            operand = jnp.asarray(value)
+        except (TypeError, ValueError) as error:
+            raise TypeError(
+                f"{spec.name}: input {name!r} is a {type(value).__name__} ({value!r:.80}), "
+                f"not an array: inputs are JAX or NumPy arrays or Python scalars. "
+                f"Configuration (flags, callables, strings) belongs on the instance, set in "
+                f"__init__ ({error})"
+            ) from None
+    _dtypes.check_supported(operand.dtype, f"{spec.name}: input {name}")
+    return operand
+
+
+_ARRAYS = (_compat.Tracer, jax.Array)
+_LEAVES = (_compat.Tracer, jax.Array, np.ndarray, np.generic, int, float, complex, bool)
+
+
+def flatten_inputs(spec, args) -> tuple:
+    """``(operands, primals)``: the op's arguments as flat JAX arrays, and its signature.
+
+    An array (or scalar) argument is one operand with a ``(shape, dtype)``
+    entry; a pytree argument contributes its leaves, with a
+    :class:`~jaxdecl._layout.TreeAval` entry that remembers its structure.
+    """
+    operands, primals = [], []
+    for value, name in zip(args, spec.params):
+        # None (an empty pytree) and lone leaves (a string, a callable) get
+        # _as_operand's error; arrays and scalars are converted directly.
+        leaves, tree = ((), None) if isinstance(value, _LEAVES) or value is None else \
+            jax.tree_util.tree_flatten(value)
+        if tree is None or jax.tree_util.treedef_is_leaf(tree):
+            operand = _as_operand(value, spec, name)
+            operands.append(operand)
+            primals.append((tuple(operand.shape), operand.dtype))
+            continue
+        paths = None
+        avals = []
+        for index, leaf in enumerate(leaves):
+            if not isinstance(leaf, _LEAVES):
+                if paths is None:
+                    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(value)[0]]
+                leaf = _as_operand(leaf, spec, name + jax.tree_util.keystr(paths[index]))
+            else:
+                leaf = _as_operand(leaf, spec, name)
+            operands.append(leaf)
+            avals.append((tuple(leaf.shape), leaf.dtype))
+        primals.append(_layout.TreeAval(tree, tuple(avals)))
+    return operands, tuple(primals)
+
+
+def rebuild(groups, single: bool, outs):
+    """The op's return value from its flat outputs: arrays and pytrees as @abstract said."""
+    values = _structure.pack(groups, outs)
+    return values[0] if single else tuple(values)
+
+
+def bind_forward(op: BoundOp, args) -> object:
+    """Binds the forward rule on JAX values; returns its result(s) as @abstract declared."""
+    operands, primals = flatten_inputs(op.spec, args)
+    layout = op.layout(primals)
+    if op.handle.declares_sharding:
+        op.sharding(primals)  # a declaration that does not fit the inputs fails here, named
+    outs = bind(Equation(op, FORWARD, primals), operands)
+    if layout.structured:
+        return rebuild(layout.out_groups, layout.single_output, outs)
+    return outs[0] if layout.single_output else tuple(outs)
+
+
+def _run_sharded(handle: OpHandle, instance, args):
+    """Runs the op now on arguments that span several devices (see _eager.run_sharded)."""
+    operands, primals = flatten_inputs(handle.spec, args)
+    op = BoundOp(handle, instance)
+    layout = op.layout(primals)
+    if handle.declares_sharding:  # a declaration that does not fit fails here, named
+        op.sharding(primals)
+    rebuilt = None
+    if layout.structured:
+        rebuilt = lambda outs, groups=layout.out_groups, single=layout.single_output: \
+            rebuild(groups, single, outs)  # noqa: E731
+    return _eager.run_sharded(Equation(op, FORWARD, primals), operands,
+                              single=layout.single_output and not layout.structured,
+                              rebuild=rebuilt)
+
+
+def _eager_call(handle: OpHandle, instance, args) -> tuple:
+    """``(call, operands, pin)``: the forward ready to run eagerly on `args` (one device).
+
+    Converts NumPy arrays and scalars to JAX arrays; the call is cached on the
+    handle by the operands' (shape, dtype), which is what :func:`apply_op` looks up.
+    """
+    operands, primals = flatten_inputs(handle.spec, args)
+    call = handle.eager_calls.get(primals)
+    pin = call.kernel.pin() if call is not None else None
+    if pin is None:
+        layout = handle.layout(primals, instance)
+        if handle.declares_sharding:  # a declaration that does not fit fails here, named
+            handle.sharding(primals, instance)
+        in_shapes = tuple(shape for shape, _ in layout.inputs)
+        kernel, pin = handle.kernel(instance, FORWARD, -1, primals, (), in_shapes)
+        if layout.structured:
+            call = _eager.Call(kernel, layout.outputs, False,
+                               rebuild=lambda outs, groups=layout.out_groups,
+                               single=layout.single_output: rebuild(groups, single, outs))
+        else:
+            call = _eager.Call(kernel, layout.outputs, layout.single_output)
+        handle.eager_calls[primals] = call
+    return call, operands, pin
+
+
+def _arguments(spec, args: tuple, kwargs: dict) -> tuple:
+    if not kwargs:
+        if len(args) != len(spec.params):
+            raise TypeError(
+                f"{spec.name} takes {len(spec.params)} input(s) ({', '.join(spec.params)}), "
+                f"got {len(args)}"
+            )
+        return args
+    values = dict(zip(spec.params, args))
+    for name, value in kwargs.items():
+        if name not in spec.params:
+            raise TypeError(f"{spec.name} has no input named {name!r} (inputs: {spec.params})")
+        if name in values:
+            raise TypeError(f"{spec.name} got input {name!r} twice")
+        values[name] = value
+    missing = [p for p in spec.params if p not in values]
+    if missing or len(args) > len(spec.params):
+        raise TypeError(f"{spec.name} takes inputs {spec.params}; missing {missing}")
+    return tuple(values[p] for p in spec.params)
+
+
+def apply_op(instance, args: tuple, kwargs: dict):
+    """``op(*args, **kwargs)``: staged into an active trace, else run now.
+
+    Under any trace (jit, vmap, grad, scan, eval_shape, ...) the op binds its
+    primitive, constants included. Outside, it runs through the shared eager
+    executable of its signature. The common case (JAX arrays whose signature
+    ran before) is a few dictionary lookups: the Python work here sits on the
+    critical path of every eager call.
+    """
+    handle = handle_of(instance)
+    spec = handle.spec
+    if kwargs or len(args) != len(spec.params):
+        args = _arguments(spec, args, kwargs)
+    if not _compat.not_tracing():
+        check_static(spec, instance)
+        return bind_forward(BoundOp(handle, instance), args)
+    if _eager.spans_devices(args):
+        # The shared single-device executable would gather: the strategy decides.
+        return _run_sharded(handle, instance, args)
+    try:
+        call = handle.eager_calls[tuple([(a.shape, a.dtype) for a in args])]
+        pin = call.kernel.pin()  # held until the call returns: the kernel's op stays alive
+        if pin is None:
+            raise KeyError
+    except (AttributeError, KeyError, TypeError):  # scalars, new signatures, dead kernels
+        call, args, pin = _eager_call(handle, instance, args)
+    return _eager.run(call, args)
