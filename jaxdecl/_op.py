@@ -1,10 +1,11 @@
-"""The op's Python face: instances as ops, shared per configuration, and the call path.
+"""Ops as shared configurations: handles, their per-shape caches, and what equations carry.
 
 Every op instance maps to an :class:`OpHandle`, shared by all live instances of
-the same class with equal configuration (see :class:`jaxdecl.Primitive`). The handle owns the
-per-shape caches (layouts, kernels). What the primitive carries as its ``op``
-parameter is a :class:`BoundOp`: the handle plus the instance that bound it,
-so that a traced program holds the op it calls.
+the same class with equal configuration (:mod:`jaxdecl._identity` says which
+are equal). The handle owns the per-shape caches (layouts, kernels). What an
+:class:`~jaxdecl._equation.Equation` carries as its ``op`` is a
+:class:`BoundOp`: the handle plus the instance that bound it, so that a traced
+program holds the op it calls. Calling an op lives in :mod:`jaxdecl._call`.
 
 Lifetimes (memory is bounded by what is alive):
 
