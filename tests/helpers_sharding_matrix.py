@@ -47,6 +47,7 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from ops import random_array  # noqa: E402
 
 import jaxdecl as jd  # noqa: E402
 from jaxdecl import _compat  # noqa: E402
@@ -220,13 +221,6 @@ class RowScale(jd.Primitive, batch="vectorized", sharding="b n, b -> b n"):
         return (2 * x * k[..., None] * ct).astype(x.dtype)
 
 
-def _values(rng, shape, dtype):
-    value = rng.uniform(0.5, 1.5, shape)
-    if np.issubdtype(dtype, np.complexfloating):
-        value = value + 1j * rng.uniform(-0.5, 0.5, shape)
-    return np.asarray(value).astype(dtype)
-
-
 @dataclasses.dataclass(frozen=True)
 class Kind:
     """One op kind: the op, its reference, example inputs and how they are split."""
@@ -256,7 +250,7 @@ def _numpy_rules(name: str) -> tuple:
 
 
 def _cube_kind(shape, dtype, specs, lowering="callback"):
-    return Kind(Cube(), lambda x: x ** 3, lambda rng: (_values(rng, shape, dtype),),
+    return Kind(Cube(), lambda x: x ** 3, lambda rng: (random_array(rng, shape, dtype),),
                 {m: (s,) for m, s in specs.items()}, specs,
                 second_order=_numpy_rules("Cube"), lowering=lowering)
 
@@ -267,38 +261,38 @@ KINDS = {
                               lowering="split"),
     # elementwise with traceable rules that bind declared ops: hessian per shard
     "traceable": Kind(
-        Sin(), jnp.sin, lambda rng: (_values(rng, (8, 16), "float64"),),
+        Sin(), jnp.sin, lambda rng: (random_array(rng, (8, 16), "float64"),),
         {"1d": (P(None, "d"),), "2d": (P("y", "x"),)}, {"1d": P(None, "d"), "2d": P("y", "x")},
         lowering="split"),
     "undeclared": Kind(
-        Plain(), lambda x: x ** 3, lambda rng: (_values(rng, (8, 16), "float64"),),
+        Plain(), lambda x: x ** 3, lambda rng: (random_array(rng, (8, 16), "float64"),),
         {"1d": (P("d"),), "2d": (P("x", "y"),)}, {"1d": P("d"), "2d": P("x", "y")},
         splits=False, second_order=_numpy_rules("Plain")),
     # rows over both axes of the 2-D mesh (one spec entry naming two axes)
     "replicate": Kind(
         RowFFT(), lambda x: jnp.fft.fft(x, axis=-1),
-        lambda rng: (_values(rng, (8, 16), "complex128"),),
+        lambda rng: (random_array(rng, (8, 16), "complex128"),),
         {"1d": (P("d"),), "2d": (P(("x", "y")),)}, {"1d": P("d"), "2d": P(("x", "y"))},
         linear="linear", holomorphic=True),
     "reduce": Kind(
         # (not a @ x: under Explicit axes JAX refuses a contraction over a sharded dim)
         MatVec(), lambda a, x: jnp.sum(a * x, axis=-1),
-        lambda rng: (_values(rng, (8, 12), "float64"), _values(rng, (12,), "float64")),
+        lambda rng: (random_array(rng, (8, 12), "float64"), random_array(rng, (12,), "float64")),
         {"1d": (P(None, "d"), P("d")), "2d": (P("x", "y"), P("y"))},
         {"1d": P(), "2d": P("x")}, diff=(0, 1), linear="multilinear",
         summed={"1d": ("d",), "2d": ("y",)}),
     "pytree": Kind(
         Affine(), lambda x, p: {"y": x * p["w"] + p["c"], "z": x * x},
-        lambda rng: (_values(rng, (8, 16), "float64"),
-                     {"w": _values(rng, (8, 16), "float64"),
-                      "c": _values(rng, (8, 16), "float64")}),
+        lambda rng: (random_array(rng, (8, 16), "float64"),
+                     {"w": random_array(rng, (8, 16), "float64"),
+                      "c": random_array(rng, (8, 16), "float64")}),
         {"1d": (P("d"), {"w": P("d"), "c": P("d")}),
          "2d": (P("x", "y"), {"w": P("x", "y"), "c": P("x", "y")})},
         {"1d": {"y": P("d"), "z": P("d")}, "2d": {"y": P("x", "y"), "z": P("x", "y")}},
         diff=(0, 1), second_order=_numpy_rules("Affine"), lowering="split"),
     "nondiff": Kind(
         RowScale(), lambda x, k: (x ** 2 * k[:, None]).astype(x.dtype),
-        lambda rng: (_values(rng, (8, 16), "float64"),
+        lambda rng: (random_array(rng, (8, 16), "float64"),
                      rng.integers(-3, 4, 8).astype(np.int32)),
         {"1d": (P("d"), P("d")), "2d": (P("x", "y"), P("x"))},
         {"1d": P("d"), "2d": P("x", "y")},
@@ -382,11 +376,11 @@ def build(transform: str, kind: Kind, f, mesh_name: str, rng, blocks: bool = Fal
     out_struct = jax.eval_shape(kind.ref, *args)
 
     def tangents():
-        return tuple(jax.tree.map(lambda a: _values(rng, np.shape(a), np.result_type(a)),
+        return tuple(jax.tree.map(lambda a: random_array(rng, np.shape(a), np.result_type(a)),
                                   args[i]) for i in diff)
 
     def cotangent():
-        return jax.tree.map(lambda s: _values(rng, s.shape, s.dtype), out_struct)
+        return jax.tree.map(lambda s: random_array(rng, s.shape, s.dtype), out_struct)
 
     def of_diff(full):  # f as a function of the differentiable inputs
         return lambda *d: f(*_with(full, diff, d))

@@ -32,23 +32,11 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import numpy as np
+from ops import Scale
 
 import jaxdecl as jd
 
 jax.config.update("jax_enable_x64", True)
-
-
-class Scale(jd.Primitive):
-    def __init__(self, factor):
-        self.factor = factor
-
-    @jd.abstract
-    def shapes(self, x):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype)
-
-    @jd.forward
-    def apply(self, x, *, out):
-        np.multiply(x, self.factor, out=out)
 
 
 class ScaleReturning(Scale):
@@ -78,18 +66,7 @@ class Power(jd.Primitive):
         return self.p * x ** (self.p - 1) * ct
 
 
-class LinearScale(jd.Primitive, linear=True):
-    def __init__(self, factor):
-        self.factor = factor
-
-    @jd.abstract
-    def shapes(self, x):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype)
-
-    @jd.forward
-    def apply(self, x, *, out):
-        np.multiply(x, self.factor, out=out)
-
+class LinearScale(Scale, linear=True):
     @jd.transpose
     def back(self, ct, *, out):
         np.multiply(ct, self.factor, out=out)

@@ -18,6 +18,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from ops import Negate, Scale  # noqa: E402
 
 import jaxdecl as jd  # noqa: E402
 
@@ -35,26 +36,17 @@ def _outcome(call, expected) -> str:
 def x64_off() -> list:
     """Ops with JAX's default 32-bit types (JAX_ENABLE_X64=0)."""
     assert not jax.config.jax_enable_x64
-
-    class Twice(jd.Primitive):
-        @jd.abstract
-        def shapes(self, x):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype)
-
-        @jd.forward
-        def apply(self, x, *, out):
-            np.multiply(x, 2, out=out)
-
+    twice = Scale(2)
     results = []
     for dtype in ("float32", "int32", "complex64", "float16"):
         x = (np.arange(7) - 3).astype(dtype)
         expected = 2 * x
-        results.append(_outcome(lambda x=x: Twice()(jnp.asarray(x)), expected))
-        results.append(_outcome(lambda x=x: jax.jit(Twice())(jnp.asarray(x)), expected))
+        results.append(_outcome(lambda x=x: twice(jnp.asarray(x)), expected))
+        results.append(_outcome(lambda x=x: jax.jit(twice)(jnp.asarray(x)), expected))
     # NumPy float64 input is canonicalised to float32 before the rule sees it.
     x = np.linspace(0, 1, 5)
-    results.append(_outcome(lambda: Twice()(x), (2 * x).astype(np.float32)))
-    results.append(_outcome(lambda: Twice()(1.5), np.float32(3.0)))
+    results.append(_outcome(lambda: twice(x), (2 * x).astype(np.float32)))
+    results.append(_outcome(lambda: twice(1.5), np.float32(3.0)))
     return results
 
 
@@ -76,18 +68,6 @@ class _JaxInRule(jd.Primitive):
         if self.how == "jnp":
             return np.asarray(jnp.sin(values))
         return np.asarray(self._inner(values))
-
-
-class _Negate(jd.Primitive):
-    """A NumPy-only rule."""
-
-    @jd.abstract
-    def shapes(self, x):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype)
-
-    @jd.forward
-    def apply(self, x, *, out):
-        np.negative(x, out=out)
 
 
 def reentrant_threads(how: str, size: int, rounds: int = 1) -> list:
@@ -120,7 +100,7 @@ def reentrant_shard_map(how: str, size: int) -> list:
     xs = jax.device_put(jnp.asarray(x), jax.NamedSharding(mesh, P("i")))
     f = jax.jit(jax.shard_map(_JaxInRule(how), mesh=mesh, in_specs=P("i"), out_specs=P("i")))
     # Compiled first, so that the call after the re-entrant one registers no new kernel.
-    g = jax.jit(jax.shard_map(_Negate(), mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+    g = jax.jit(jax.shard_map(Negate(), mesh=mesh, in_specs=P("i"), out_specs=P("i")))
     results = [_outcome(lambda: g(xs), -x), _outcome(lambda: f(xs), np.sin(x))]
     # The process keeps working afterwards.
     results.append(_outcome(lambda: g(xs), -x))

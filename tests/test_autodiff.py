@@ -12,6 +12,24 @@ import numpy as np
 import pytest
 from conftest import tol
 from jax.test_util import check_grads
+from ops import (
+    FFTAdjoint,
+    FFTTranspose,
+    FlipMul,
+    MulNumpy,
+    MulTraceable,
+    TwoOutputs,
+    Weighted,
+    WeightedFFT,
+    complex_of,
+    fft_ref,
+    flip_mul_ref,
+    mul_ref,
+    random_array,
+    two_outputs_ref,
+    weighted_fft_ref,
+    weighted_ref,
+)
 
 import jaxdecl as jd
 
@@ -23,173 +41,20 @@ def _same(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
-def _complex_of(dtype):
-    return np.result_type(dtype, np.complex64)
-
-
 # ---------------------------------------------------------------------------
-# Ops under test
+# Ops under test: the differentiable ops of ops.py, and a Mul with a @jvp only
 # ---------------------------------------------------------------------------
 
 
-class MulNumpy(jd.Primitive):
-    """f(x1, x2) = x1 * x2**2 with NumPy rules (first order only)."""
-
-    @jd.abstract
-    def shapes(self, x1, x2):
-        return _same(x1)
-
-    @jd.forward
-    def apply(self, x1, x2, *, out):
-        np.multiply(x1, x2**2, out=out)
-
-    @jd.jvp
-    def push(self, x1, x2, dx1, dx2):
-        return x2**2 * dx1 + 2 * x1 * x2 * dx2
-
-    @jd.vjp
-    def pull(self, x1, x2, ct):
-        return x2**2 * ct, 2 * x1 * x2 * ct
-
-
-class MulTraceable(jd.Primitive):
-    """f(x1, x2) = x1 * x2**2 with jax.numpy rules (every order)."""
-
-    @jd.abstract
-    def shapes(self, x1, x2):
-        return _same(x1)
-
-    @jd.forward
-    def apply(self, x1, x2):
-        return x1 * x2**2
-
-    @jd.jvp(traceable=True)
-    def push(self, x1, x2, dx1, dx2):
-        return x2**2 * dx1 + 2 * x1 * x2 * dx2
-
-    @jd.vjp(traceable=True)
-    def pull(self, x1, x2, ct):
-        return x2**2 * ct, 2 * x1 * x2 * ct
-
-
-class MulJvpOnly(jd.Primitive):
+class MulJvpOnly(MulTraceable):
     """f(x1, x2) = x1 * x2**2 with a traceable @jvp only: JAX transposes it."""
 
-    @jd.abstract
-    def shapes(self, x1, x2):
-        return _same(x1)
-
-    @jd.forward
-    def apply(self, x1, x2):
-        return x1 * x2**2
-
-    @jd.jvp(traceable=True)
-    def push(self, x1, x2, dx1, dx2):
-        return x2**2 * dx1 + 2 * x1 * x2 * dx2
-
-
-class TwoOutputs(jd.Primitive):
-    """(sin(x) * y, x + y): a traceable @jvp and a NumPy @vjp."""
-
-    @jd.abstract
-    def shapes(self, x, y):
-        return _same(x), _same(x)
-
-    @jd.forward
-    def apply(self, x, y):
-        return np.sin(x) * y, x + y
-
-    @jd.jvp(traceable=True)
-    def push(self, x, y, dx, dy):
-        return jnp.cos(x) * y * dx + jnp.sin(x) * dy, dx + dy
-
-    @jd.vjp
-    def pull(self, x, y, ct_prod, ct_sum):
-        return np.cos(x) * y * ct_prod + ct_sum, np.sin(x) * ct_prod + ct_sum
-
-
-class Weighted(jd.Primitive, nondiff=("w",)):
-    """w * x**k: weights `w` never differentiated, integer powers `k` auto non-diff."""
-
-    @jd.abstract
-    def shapes(self, x, w, k):
-        return _same(x)
-
-    @jd.forward
-    def apply(self, x, w, k):
-        return (w * x**k).astype(x.dtype)
-
-    @jd.jvp
-    def push(self, x, w, k, dx):
-        return (w * k * x ** (k - 1) * dx).astype(x.dtype)
-
-    @jd.vjp
-    def pull(self, x, w, k, ct):
-        return (w * k * x ** (k - 1) * ct).astype(x.dtype)
-
-
-class FFTTranspose(jd.Primitive, linear=True):
-    """FFT along the last axis; the transpose of the DFT matrix is itself."""
-
-    @jd.abstract
-    def shapes(self, x):
-        return jax.ShapeDtypeStruct(x.shape, _complex_of(x.dtype))
-
-    @jd.forward
-    def apply(self, x):
-        return np.fft.fft(x, axis=-1).astype(_complex_of(x.dtype))
-
-    @jd.transpose
-    def transposed(self, ct):
-        return np.fft.fft(ct, axis=-1).astype(ct.dtype)
-
-
-class FFTAdjoint(jd.Primitive, linear=True):
-    """FFT along the last axis, declared through its adjoint n * ifft."""
-
-    @jd.abstract
-    def shapes(self, x):
-        return jax.ShapeDtypeStruct(x.shape, _complex_of(x.dtype))
-
-    @jd.forward
-    def apply(self, x, *, out):
-        out[...] = np.fft.fft(x, axis=-1)
-
-    @jd.adjoint
-    def adjoint(self, y):
-        return (np.fft.ifft(y, axis=-1) * y.shape[-1]).astype(y.dtype)
-
-
-class FlipMul(jd.Primitive, multilinear=True):
-    """x * flip(y): bilinear, with one transpose per input."""
-
-    @jd.abstract
-    def shapes(self, x, y):
-        return _same(x)
-
-    @jd.forward
-    def apply(self, x, y):
-        return x * np.flip(y)
-
-    @jd.transpose(wrt="x")
-    def transpose_x(self, y, ct):
-        return np.flip(y) * ct
-
-    @jd.transpose(wrt="y")
-    def transpose_y(self, x, ct):
-        return np.flip(x * ct)
+    pull = None
 
 
 # ---------------------------------------------------------------------------
 # Cases: an op as a function of its differentiable inputs, and its reference
 # ---------------------------------------------------------------------------
-
-
-def _random(rng, shape, dtype, low=0.5, high=1.5):
-    value = rng.uniform(low, high, shape)
-    if np.issubdtype(dtype, np.complexfloating):
-        value = value + 1j * rng.uniform(-0.5, 0.5, shape)
-    return np.asarray(value).astype(dtype)
 
 
 @dataclasses.dataclass
@@ -204,7 +69,7 @@ class Case:
 def _binary(op_class, reference):
     def build(rng, dtype, shape):
         op = op_class()
-        args = (_random(rng, shape, dtype), _random(rng, shape, dtype))
+        args = (random_array(rng, shape, dtype), random_array(rng, shape, dtype))
         return op, reference, args
 
     return build
@@ -212,34 +77,32 @@ def _binary(op_class, reference):
 
 def _weighted(rng, dtype, shape):
     real = np.finfo(dtype).dtype
-    w = _random(rng, shape, real)
+    w = random_array(rng, shape, real)
     k = rng.integers(1, 4, shape).astype(np.int32)
     op = Weighted()
     return (
         (lambda x: op(x, w, k)),
-        (lambda x: (w * x**k).astype(x.dtype)),
-        (_random(rng, shape, dtype),),
+        (lambda x: weighted_ref(x, w, k)),
+        (random_array(rng, shape, dtype),),
     )
 
 
 def _fft(op_class):
     def build(rng, dtype, shape):
-        return op_class(), (lambda x: jnp.fft.fft(x, axis=-1)), (_random(rng, shape, dtype),)
+        return op_class(), fft_ref, (random_array(rng, shape, dtype),)
 
     return build
 
 
 CASES = {
-    "mul_numpy": Case(_binary(MulNumpy, lambda a, b: a * b**2), order=1, shapes=((7,),)),
-    "mul_traceable": Case(_binary(MulTraceable, lambda a, b: a * b**2), order=2),
-    "mul_jvp_only": Case(_binary(MulJvpOnly, lambda a, b: a * b**2), order=2, shapes=((3, 4),)),
-    "two_outputs": Case(
-        _binary(TwoOutputs, lambda x, y: (jnp.sin(x) * y, x + y)), order=2, shapes=((3, 4),)
-    ),
+    "mul_numpy": Case(_binary(MulNumpy, mul_ref), order=1, shapes=((7,),)),
+    "mul_traceable": Case(_binary(MulTraceable, mul_ref), order=2),
+    "mul_jvp_only": Case(_binary(MulJvpOnly, mul_ref), order=2, shapes=((3, 4),)),
+    "two_outputs": Case(_binary(TwoOutputs, two_outputs_ref), order=2, shapes=((3, 4),)),
     "weighted": Case(_weighted, order=1, shapes=((3, 4),)),
     "fft_transpose": Case(_fft(FFTTranspose), order=3, shapes=((3, 4),)),
     "fft_adjoint": Case(_fft(FFTAdjoint), order=3, shapes=((7,),)),
-    "bilinear": Case(_binary(FlipMul, lambda x, y: x * jnp.flip(y)), order=3, shapes=((3, 4),)),
+    "bilinear": Case(_binary(FlipMul, flip_mul_ref), order=3, shapes=((3, 4),)),
 }
 
 CASE_PARAMS = [
@@ -353,9 +216,9 @@ def _setup(name, dtype, shape):
     dtype = np.dtype(dtype)
     rng = np.random.default_rng(zlib.crc32(repr((name, str(dtype), shape)).encode()))
     op_fn, ref_fn, args = CASES[name].build(rng, dtype, shape)
-    ts = tuple(_random(rng, np.shape(a), dtype, -1.0, 1.0) for a in args)
+    ts = tuple(random_array(rng, np.shape(a), dtype, -1.0, 1.0) for a in args)
     out_structs = _outputs(jax.eval_shape(ref_fn, *args))
-    cts = tuple(_random(rng, s.shape, s.dtype, -1.0, 1.0) for s in out_structs)
+    cts = tuple(random_array(rng, s.shape, s.dtype, -1.0, 1.0) for s in out_structs)
     if not isinstance(jax.eval_shape(ref_fn, *args), tuple):
         cts = cts[0]
     return op_fn, ref_fn, args, ts, cts
@@ -470,44 +333,18 @@ def test_jvp_runs_forward_and_jvp_once():
     _assert_tree_close(out, jax.jvp(lambda a, b: a * b**2, (a, b), (ta, tb)), "float64")
 
 
-class OnlyJvp(jd.Primitive):
+class OnlyJvp(Counted):
     """x1 * x2**2 with a NumPy @jvp and no @vjp."""
 
     calls: ClassVar[collections.Counter] = collections.Counter()
-
-    @jd.abstract
-    def shapes(self, x1, x2):
-        return _same(x1)
-
-    @jd.forward
-    def apply(self, x1, x2):
-        type(self).calls["forward"] += 1
-        return x1 * x2**2
-
-    @jd.jvp
-    def push(self, x1, x2, dx1, dx2):
-        type(self).calls["jvp"] += 1
-        return x2**2 * dx1 + 2 * x1 * x2 * dx2
+    pull = None
 
 
-class OnlyVjp(jd.Primitive):
+class OnlyVjp(Counted):
     """x1 * x2**2 with a NumPy @vjp and no @jvp."""
 
     calls: ClassVar[collections.Counter] = collections.Counter()
-
-    @jd.abstract
-    def shapes(self, x1, x2):
-        return _same(x1)
-
-    @jd.forward
-    def apply(self, x1, x2):
-        type(self).calls["forward"] += 1
-        return x1 * x2**2
-
-    @jd.vjp
-    def pull(self, x1, x2, ct):
-        type(self).calls["vjp"] += 1
-        return x2**2 * ct, 2 * x1 * x2 * ct
+    push = None
 
 
 def test_only_jvp_gives_forward_mode_and_names_missing_vjp():
@@ -569,9 +406,9 @@ class Recording(jd.Primitive):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_jvp_with_one_tangent_passes_zero_array(dtype):
-    a = _random(np.random.default_rng(0), (3, 4), dtype)
-    b = _random(np.random.default_rng(1), (3, 4), dtype)
-    t = _random(np.random.default_rng(2), (3, 4), dtype)
+    a = random_array(np.random.default_rng(0), (3, 4), dtype)
+    b = random_array(np.random.default_rng(1), (3, 4), dtype)
+    t = random_array(np.random.default_rng(2), (3, 4), dtype)
     Recording.seen.clear()
     out = jax.jit(lambda a, b: jax.jvp(lambda x: Recording()(x, b), (a,), (t,)))(a, b)
     _assert_tree_close(out, jax.jvp(lambda x: x * b**2, (a,), (t,)), dtype)
@@ -584,8 +421,8 @@ def test_jvp_with_one_tangent_passes_zero_array(dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_stop_gradient_and_single_argnum(dtype):
-    a = _random(np.random.default_rng(0), (5,), dtype)
-    b = _random(np.random.default_rng(1), (5,), dtype)
+    a = random_array(np.random.default_rng(0), (5,), dtype)
+    b = random_array(np.random.default_rng(1), (5,), dtype)
 
     def loss(mul):
         return lambda a, b: jnp.sum(jnp.sin(mul(a, jax.lax.stop_gradient(b))))
@@ -657,7 +494,7 @@ def test_stop_gradient_on_nondiff_input_is_fine():
 @pytest.mark.parametrize("op_class", [FFTTranspose, FFTAdjoint])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_fft_third_derivative(op_class, dtype):
-    x = _random(np.random.default_rng(3), (5,), dtype)
+    x = random_array(np.random.default_rng(3), (5,), dtype)
 
     def cubic(fft):
         def f(x):
@@ -676,7 +513,7 @@ def test_fft_third_derivative(op_class, dtype):
 @pytest.mark.parametrize("dtype", ["complex64", "complex128"])
 def test_fft_linear_transpose_is_fft(op_class, dtype):
     rng = np.random.default_rng(4)
-    x, ct = _random(rng, (3, 6), dtype), _random(rng, (3, 6), dtype)
+    x, ct = random_array(rng, (3, 6), dtype), random_array(rng, (3, 6), dtype)
     transposed = jax.linear_transpose(op_class(), x)
     expected = jnp.fft.fft(ct, axis=-1)
     _assert_tree_close(transposed(ct)[0], expected, dtype)
@@ -685,34 +522,15 @@ def test_fft_linear_transpose_is_fft(op_class, dtype):
     _assert_tree_close(transposed(ct), jax.linear_transpose(jnp.fft.fft, x)(ct), dtype)
 
 
-class WeightedFFT(jd.Primitive, linear=True, nondiff=("w",)):
-    """w * fft(x): linear in x, with fixed weights w."""
-
-    seen: ClassVar[list] = []
-
-    @jd.abstract
-    def shapes(self, x, w):
-        return jax.ShapeDtypeStruct(x.shape, _complex_of(x.dtype))
-
-    @jd.forward
-    def apply(self, x, w):
-        return (w * np.fft.fft(x)).astype(_complex_of(x.dtype))
-
-    @jd.transpose
-    def transposed(self, w, ct):
-        type(self).seen.append(np.array(w))
-        return np.fft.fft(w * ct).astype(ct.dtype)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_op_with_nondiff_input(dtype):
     rng = np.random.default_rng(5)
-    x = _random(rng, (6,), dtype)
-    w = _random(rng, (6,), np.finfo(dtype).dtype)
-    ct = _random(rng, (6,), _complex_of(dtype))
+    x = random_array(rng, (6,), dtype)
+    w = random_array(rng, (6,), np.finfo(dtype).dtype)
+    ct = random_array(rng, (6,), complex_of(dtype))
     WeightedFFT.seen.clear()
     out, pullback = jax.vjp(lambda x: WeightedFFT()(x, w), x)
-    ref_out, ref_pullback = jax.vjp(lambda x: w * jnp.fft.fft(x), x)
+    ref_out, ref_pullback = jax.vjp(lambda x: weighted_fft_ref(x, w), x)
     _assert_tree_close(out, ref_out, dtype)
     _assert_tree_close(pullback(ct), ref_pullback(ct), dtype)
     [seen] = WeightedFFT.seen
@@ -729,7 +547,7 @@ def test_linear_op_with_nondiff_input(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_bilinear_jacrev_of_jacrev(dtype):
-    x = _random(np.random.default_rng(6), (4,), dtype)
+    x = random_array(np.random.default_rng(6), (4,), dtype)
     holo = np.issubdtype(np.dtype(dtype), np.complexfloating)
 
     def hess(mul):

@@ -1,14 +1,13 @@
 """C kernels (jd.cfunction): called by XLA without Python, checked against NumPy."""
 
 import ctypes
-import shutil
-import subprocess
 import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from ops import compile_c
 
 import jaxdecl as jd
 
@@ -57,14 +56,7 @@ SOURCE = textwrap.dedent(r"""
 
 @pytest.fixture(scope="module")
 def library(tmp_path_factory):
-    compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if compiler is None:
-        pytest.skip("no C compiler")
-    folder = tmp_path_factory.mktemp("ckernel")
-    (folder / "k.c").write_text(SOURCE)
-    subprocess.run([compiler, "-O2", "-shared", "-fPIC", f"-I{jd.include_dir()}",
-                    str(folder / "k.c"), "-o", str(folder / "libk.so")], check=True)
-    return ctypes.CDLL(str(folder / "libk.so"))
+    return compile_c(SOURCE, tmp_path_factory.mktemp("ckernel"))
 
 
 @pytest.fixture(scope="module")
@@ -188,13 +180,7 @@ def test_a_c_kernel_split_by_xla_sees_its_block(tmp_path):
 
     if not _compat.SPLITS_PER_SHARD:
         pytest.skip("running a sharding declaration per shard under jit needs JAX >= 0.7")
-    compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if compiler is None:
-        pytest.skip("no C compiler")
-    (tmp_path / "s.c").write_text(SHAPE_SOURCE)
-    subprocess.run([compiler, "-O2", "-shared", "-fPIC", f"-I{jd.include_dir()}",
-                    str(tmp_path / "s.c"), "-o", str(tmp_path / "libs.so")], check=True)
-    library = ctypes.CDLL(str(tmp_path / "libs.so"))
+    library = compile_c(SHAPE_SOURCE, tmp_path)
 
     class RankAndRows(jd.Primitive, sharding="b n -> b n"):
         @jd.abstract

@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 import pytest
-from test_autodiff import (
+from ops import (
     FFTAdjoint,
     FFTTranspose,
     FlipMul,
@@ -12,7 +12,7 @@ from test_autodiff import (
     TwoOutputs,
     Weighted,
     WeightedFFT,
-    _random,
+    random_array,
 )
 
 import jaxdecl as jd
@@ -22,14 +22,14 @@ DTYPES = ["float32", "float64", "complex64", "complex128"]
 
 def _args(kind, dtype):
     rng = np.random.default_rng(0)
-    x, y = _random(rng, (5,), dtype), _random(rng, (5,), dtype)
+    x, y = random_array(rng, (5,), dtype), random_array(rng, (5,), dtype)
     real = np.finfo(dtype).dtype
     if kind in ("mul_numpy", "mul_traceable", "two_outputs", "bilinear"):
         return x, y
     if kind == "weighted":
-        return x, _random(rng, (5,), real), np.arange(1, 6, dtype=np.int32) % 3 + 1
+        return x, random_array(rng, (5,), real), np.arange(1, 6, dtype=np.int32) % 3 + 1
     if kind == "weighted_fft":
-        return x, _random(rng, (5,), real)
+        return x, random_array(rng, (5,), real)
     return (x,)
 
 

@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import subprocess_env, tol
+from ops import Negate
 
 import jaxdecl as jd
 
@@ -156,16 +157,6 @@ class ReverseInto(jd.Primitive):
     @jd.forward
     def apply(self, x, *, out):
         out[...] = x[::-1]
-
-
-class Negate(jd.Primitive):
-    @jd.abstract
-    def shapes(self, x):
-        return _same(x)
-
-    @jd.forward
-    def apply(self, x, *, out):
-        np.negative(x, out=out)
 
 
 @pytest.mark.parametrize("cls", [Reverse, ReverseInto], ids=["return", "out"])

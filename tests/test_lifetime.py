@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import subprocess_env
+from ops import Offset
 
 import jaxdecl as jd
 from jaxdecl import _dispatch, _eager, _fingerprint
@@ -46,21 +47,6 @@ class Table(jd.Primitive):
     @jd.forward
     def apply(self, x):
         return x + self.table[0]
-
-
-class Offset(jd.Primitive):
-    """An op with a hashable configuration: equal offsets share compiled code."""
-
-    def __init__(self, offset):
-        self.offset = offset
-
-    @jd.abstract
-    def shapes(self, x):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype)
-
-    @jd.forward
-    def apply(self, x, *, out):
-        np.add(x, self.offset, out=out)
 
 
 def _collect():

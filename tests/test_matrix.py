@@ -13,11 +13,9 @@ skips with their reason.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import dataclasses
 import functools
 import shutil
-import subprocess
 import tempfile
 import textwrap
 import zlib
@@ -31,6 +29,7 @@ import pytest
 from conftest import tol
 from jax import lax
 from jax.test_util import check_grads
+from ops import compile_c, random_array
 
 import jaxdecl as jd
 
@@ -198,24 +197,14 @@ C_SOURCE = textwrap.dedent(r"""
 
 @functools.cache
 def _c_library():
-    compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if compiler is None:
-        return None
     folder = tempfile.mkdtemp(prefix="jaxdecl_matrix_")
     atexit.register(shutil.rmtree, folder, True)
-    source, library = f"{folder}/triple.c", f"{folder}/libtriple.so"
-    with open(source, "w") as f:
-        f.write(C_SOURCE)
-    subprocess.run([compiler, "-O2", "-shared", "-fPIC", f"-I{jd.include_dir()}", source,
-                    "-o", library], check=True)
-    return ctypes.CDLL(library)
+    return compile_c(C_SOURCE, folder, "triple")
 
 
 @functools.cache
 def _triple_op():
     library = _c_library()
-    if library is None:
-        pytest.skip("no C compiler")
 
     class Triple(jd.Primitive, linear=True):
         """(f) C kernel rules: 3 * x, forward and transpose."""
@@ -415,13 +404,6 @@ class XExpYSaved(jd.Primitive):
 # ---------------------------------------------------------------------------
 
 
-def _values(rng, shape, dtype):
-    value = rng.uniform(0.5, 1.5, shape)
-    if np.issubdtype(dtype, np.complexfloating):
-        value = value + 1j * rng.uniform(-0.5, 0.5, shape)
-    return np.asarray(value).astype(dtype)
-
-
 @dataclasses.dataclass(frozen=True)
 class Form:
     op: Callable[[], Callable]  # returns the (shared) op instance
@@ -445,7 +427,7 @@ def _shared(name):
 
 
 def _pair(shape):
-    return lambda rng, dtype: (_values(rng, shape, dtype), _values(rng, shape, dtype))
+    return lambda rng, dtype: (random_array(rng, shape, dtype), random_array(rng, shape, dtype))
 
 
 def _python_scalars(args):
@@ -454,13 +436,13 @@ def _python_scalars(args):
 
 
 def _affine_args(rng, dtype):
-    return (_values(rng, (3,), dtype),
-            {"scale": _values(rng, (3,), dtype), "shift": _values(rng, (3,), dtype)})
+    return (random_array(rng, (3,), dtype),
+            {"scale": random_array(rng, (3,), dtype), "shift": random_array(rng, (3,), dtype)})
 
 
 def _stats_args(rng, dtype):
-    return _values(rng, (2, 3), dtype), Pair(_values(rng, (2, 3), dtype),
-                                             _values(rng, (2, 3), dtype))
+    return random_array(rng, (2, 3), dtype), Pair(random_array(rng, (2, 3), dtype),
+                                             random_array(rng, (2, 3), dtype))
 
 
 FORMS = {
@@ -471,7 +453,7 @@ FORMS = {
         _shared("out"), lambda x, y: x * jnp.sin(y), _pair((2, 3)), ("x", "y"), (0, 1),
         ("float32", "complex128"), (1, 0), _python_scalars),
     "linear": Form(
-        _shared("linear"), matvec_ref, lambda rng, dtype: (_values(rng, (2, 4), dtype),),
+        _shared("linear"), matvec_ref, lambda rng, dtype: (random_array(rng, (2, 4), dtype),),
         ("x",), (0,), ("float32", "complex128"), (1,), None, linear="linear"),
     "multilinear": Form(
         _shared("multilinear"), lambda x, y: x * y, _pair((3,)), ("x", "y"), (0, 1),
@@ -479,11 +461,11 @@ FORMS = {
         linear="multilinear"),
     "nondiff": Form(
         _shared("nondiff"), scaled_roll_ref,
-        lambda rng, dtype: (_values(rng, (4,), dtype), _real_of(dtype).type(1.5), np.int32(1)),
+        lambda rng, dtype: (random_array(rng, (4,), dtype), _real_of(dtype).type(1.5), np.int32(1)),
         ("x", "s", "k"), (0,), ("float32", "complex128"), (0, None, 0),
         lambda args: (args[0], 1.5, 1)),
     "c_kernel": Form(
-        _triple_op, lambda x: 3 * x, lambda rng, dtype: (_values(rng, (5,), dtype),), ("x",),
+        _triple_op, lambda x: 3 * x, lambda rng, dtype: (random_array(rng, (5,), dtype),), ("x",),
         (0,), ("float32", "float64"), (0,), _python_scalars, linear="linear"),
     "no_inputs": Form(
         None, None, lambda rng, dtype: (), (), (), ("float64", "int32"), (), None),
@@ -492,7 +474,7 @@ FORMS = {
         ("float64", "complex64"), (0, 0), _python_scalars),
     "float_and_int": Form(
         _shared("float_and_int"), scale_count_ref,
-        lambda rng, dtype: (_values(rng, (3,), dtype), np.array([1, -2, 3], np.int32)),
+        lambda rng, dtype: (random_array(rng, (3,), dtype), np.array([1, -2, 3], np.int32)),
         ("x", "n"), (0,), ("float64", "complex64"), (0, 0), _python_scalars),
     "pytree": Form(
         _shared("pytree"), affine_sin_ref, _affine_args, ("x", "params"), (0, 1),
@@ -820,7 +802,7 @@ def ctx_check_grads(s):
 def _direction(rng, struct):
     """A random tangent or cotangent for an array (or ShapeDtypeStruct) leaf."""
     if jnp.issubdtype(struct.dtype, jnp.inexact):
-        return _values(rng, struct.shape, struct.dtype)
+        return random_array(rng, struct.shape, struct.dtype)
     return np.zeros(struct.shape, jax.dtypes.float0)  # integer leaves take none
 
 
@@ -843,7 +825,7 @@ def ctx_vjp(s):
 
 def ctx_linear_transpose(s):
     ct_struct = jax.eval_shape(s.ref, *s.args)
-    ct = _values(s.rng, ct_struct.shape, ct_struct.dtype)
+    ct = random_array(s.rng, ct_struct.shape, ct_struct.dtype)
     if s.form.linear == "linear":
         _close(jax.linear_transpose(s.op, *s.args)(ct),
                jax.linear_transpose(s.ref, *s.args)(ct), s.dtype)

@@ -18,6 +18,7 @@ from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 from hypothesis.extra import numpy as hnp
+from ops import Offset, Scale
 
 import jaxdecl as jd
 
@@ -207,17 +208,7 @@ class Raises(jd.Primitive):
         raise RuleFailure(_message[0])
 
 
-class Doubles(jd.Primitive):
-    @jd.abstract
-    def shapes(self, x):
-        return _same(x)
-
-    @jd.forward
-    def apply(self, x, *, out):
-        np.multiply(x, 2, out=out)
-
-
-RAISES, DOUBLES = Raises(), Doubles()
+RAISES, DOUBLES = Raises(), Scale(2)
 RAISES_JIT, DOUBLES_JIT = jax.jit(lambda v: RAISES(v) + 1), jax.jit(DOUBLES)
 
 
@@ -413,17 +404,7 @@ class Carries(jd.Primitive):
         raise CarriedError(out)
 
 
-class AddOne(jd.Primitive):
-    @jd.abstract
-    def shapes(self, x):
-        return _same(x)
-
-    @jd.forward
-    def apply(self, x, *, out):
-        np.add(x, 1, out=out)
-
-
-CARRIES, ADD_ONE = Carries(), AddOne()
+CARRIES, ADD_ONE = Carries(), Offset(1)
 
 
 @pytest.mark.parametrize("what", ["out", "x", "out_slice", "in_tuple"])

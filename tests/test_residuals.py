@@ -6,9 +6,6 @@ each rule runs, and that a plain call computes no residuals.
 """
 
 import collections
-import ctypes
-import shutil
-import subprocess
 import textwrap
 
 import jax
@@ -18,6 +15,7 @@ import pytest
 import scipy.linalg
 from conftest import needs_split, tol
 from jax.test_util import check_grads
+from ops import compile_c
 
 import jaxdecl as jd
 
@@ -832,14 +830,7 @@ C_SOURCE = textwrap.dedent(r"""
 
 @pytest.fixture(scope="module")
 def c_library(tmp_path_factory):
-    compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if compiler is None:
-        pytest.skip("no C compiler")
-    folder = tmp_path_factory.mktemp("residual_kernels")
-    (folder / "k.c").write_text(C_SOURCE)
-    subprocess.run([compiler, "-O2", "-shared", "-fPIC", f"-I{jd.include_dir()}",
-                    str(folder / "k.c"), "-o", str(folder / "libk.so")], check=True)
-    return ctypes.CDLL(str(folder / "libk.so"))
+    return compile_c(C_SOURCE, tmp_path_factory.mktemp("residual_kernels"))
 
 
 @pytest.mark.parametrize("with_result_jvp", [False, True],
