@@ -15,7 +15,7 @@
 // executable per signature serves every op, the kernel's slot arriving as the
 // first operand (the eager caller holds the op while it waits).
 //
-// Python kernels (built by jaxdecl/_runtime.py) get every buffer wrapped as a
+// Python kernels (built by jaxdecl/_kernels.py) get every buffer wrapped as a
 // NumPy array on XLA's own memory (inputs read-only, outputs writable, no
 // copy), called as `kernel(inputs, outputs)` with the GIL held; they return
 // None, or an error message they already formatted.  C kernels (jaxdecl.h)
