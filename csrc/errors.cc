@@ -35,7 +35,7 @@ std::string MessageOf(PyObject* result, const char* fallback) {
 
 // The exception goes back normalized, its traceback attached, as an
 // `except` clause sees it: on_failure is that clause of the kernel's own
-// Python path (jaxdecl/_runtime.py), which reports the rule's frames.
+// Python path (jaxdecl/_kernels.py), which reports the rule's frames.
 PyObject* HandBackFailure(const Kernel& kernel, PyObject* result,
                           PyObject* inputs, PyObject* outputs, bool eager) {
   PyObject* exc = Py_NewRef(Py_None);

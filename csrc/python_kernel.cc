@@ -1,6 +1,6 @@
 // Python kernels (kernels.h): the per-call path of a rule written in Python.
 //
-// Kernels built by jaxdecl/_runtime.py get every buffer wrapped as a NumPy
+// Kernels built by jaxdecl/_kernels.py get every buffer wrapped as a NumPy
 // array on XLA's own memory (views.h), called as `kernel(inputs, outputs,
 // eager)` with the GIL held; they return None, or an error message they
 // already formatted.  A zero-copy rule with one result is called directly

@@ -25,22 +25,20 @@ from . import _autodiff, _batching, _primitive  # noqa: F401 - register their ru
 from . import _compat as _compat
 from ._cfunction import CFunction, cfunction, include_dir
 from ._check import check
-from ._declare import (
-    Primitive,
-    PrimitiveMeta,
+from ._declare import Primitive, PrimitiveMeta, primitive
+from ._dtypes import SUPPORTED as _SUPPORTED
+from ._errors import BufferEscapeError, DeclarationError, MissingRuleError, RuleError
+from ._rules import (
     abstract,
     adjoint,
     batch,
     forward,
     jvp,
-    primitive,
     residuals,
     sharding,
     transpose,
     vjp,
 )
-from ._dtypes import SUPPORTED as _SUPPORTED
-from ._errors import BufferEscapeError, DeclarationError, MissingRuleError, RuleError
 from ._sharding import ShardingRule
 
 __version__ = "0.1.0"

@@ -43,6 +43,7 @@ import weakref
 from . import (
     _compat,
     _fingerprint,
+    _kernels,
     _layout,
     _residuals,
     _runtime,
@@ -170,7 +171,7 @@ class OpHandle:
             repr(in_shapes))
         looped = bool(batch) and spec.batch_mode == "loop"
         io = self.rule_io(primals, rule, wrt, instance)
-        function, ref = _runtime.weak_binding(user, instance)
+        function, ref = _kernels.weak_binding(user, instance)
         zero_copy = user.zero_copy
         keyworded = bool(io.keywords or io.n_extra)
         if keyworded:  # saved=/result= arguments, or extras the rule leaves out
@@ -186,9 +187,9 @@ class OpHandle:
             io = dataclasses.replace(io, single_result=False)
         if user.kind == "adjoint":
             n_lead = len(io.in_names) - sum(self.layout(primals, instance).float_out)
-            function = _runtime.transpose_from_adjoint(
+            function = _kernels.transpose_from_adjoint(
                 function, zero_copy, n_lead, takes_instance=ref is not None)
-        kernel, on_escape = _runtime.make_kernel(
+        kernel, on_escape = _kernels.make_kernel(
             function, zero_copy=zero_copy, io=io, context=name, batch_shape=batch,
             loop=looped, in_shapes=in_shapes, instance_ref=ref,
         )

@@ -51,7 +51,7 @@ from collections.abc import Callable, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from . import _runtime, _structure
+from . import _kernels, _structure
 from ._cfunction import CFunction
 from ._errors import DeclarationError, RuleError
 from ._layout import OPERANDS, RESULTS, RuleIO
@@ -183,7 +183,7 @@ def settle(value, group, views, names, context: str, batch_rank: int = 0) -> Non
         if leaf is view:
             continue
         array = np.asarray(leaf) if leaf is not None else None
-        if array is None or not (array.shape == view.shape or _runtime._broadcasts(
+        if array is None or not (array.shape == view.shape or _kernels._broadcasts(
                 array.shape, view.shape, batch_rank)) or array.dtype != view.dtype:
             got = "None" if array is None else f"shape {array.shape} {array.dtype}"
             raise RuleError(
@@ -202,7 +202,7 @@ def kernel_rule(function, io: RuleIO, zero_copy: bool, context: str, n_head: int
     the kernel checks results against. A ``forward_saving`` rule in the return
     form becomes a zero-copy one here: it writes its residual views itself, so
     its results are stored after it returns (`batch_rank` leading dims may
-    broadcast, as :func:`jaxdecl._runtime.make_kernel` allows).
+    broadcast, as :func:`jaxdecl._kernels.make_kernel` allows).
     """
     if isinstance(function, CFunction):
         return _c_rule(function, io), True, io
@@ -232,7 +232,7 @@ def kernel_rule(function, io: RuleIO, zero_copy: bool, context: str, n_head: int
             settle(saved, group, [out[s] for s in group.slots], names, context, batch_rank)
             if zero_copy:
                 return returned
-            _runtime._store(_structure.unpack(io, returned, context)[:n_real], out[:n_real],
+            _kernels._store(_structure.unpack(io, returned, context)[:n_real], out[:n_real],
                            real_io, context, batch_rank)
             return None
 

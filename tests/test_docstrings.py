@@ -51,7 +51,8 @@ def test_help_lists_every_decorator_and_class_option(obj):
     for option in ["linear=True", "multilinear=True", "nondiff=", 'batch="loop"',
                    'batch="vectorized"', "sharding=", "replicate=", "reduce=", "residuals="]:
         assert f"``{option}" in text, option
-    from jaxdecl._declare import _OPTIONS, RULE_KINDS
+    from jaxdecl._declare import _OPTIONS
+    from jaxdecl._rules import RULE_KINDS
 
     assert set(RULE_KINDS) == set(decorators)  # a new decorator must be documented here
     assert {"linear", "multilinear", "nondiff", "batch", "sharding", "replicate",

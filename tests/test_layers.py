@@ -86,6 +86,27 @@ def test_strategy_is_a_pure_decision():
     assert _graph()["jaxdecl._strategy"] <= {"jaxdecl._compat"}
 
 
+
+def test_rule_decorators_sit_below_the_declaration():
+    """Marking a method needs no spec, op or primitive: _declare builds the spec on the marks."""
+    graph = _graph()
+    assert graph["jaxdecl._rules"] <= {"jaxdecl._cfunction", "jaxdecl._errors"}, \
+        graph["jaxdecl._rules"]
+    assert "jaxdecl._rules" in graph["jaxdecl._declare"]
+
+
+def test_kernels_and_their_registry_sit_below_the_op():
+    """_kernels builds host kernels from rules and _runtime registers them; the op joins the
+    two. Neither knows ops, declarations or the primitive, and the registry knows no rules."""
+    graph = _graph()
+    above = {"jaxdecl._op", "jaxdecl._declare", "jaxdecl._rules", "jaxdecl._primitive",
+             "jaxdecl._partition", "jaxdecl._eager", "jaxdecl._autodiff", "jaxdecl._batching",
+             "jaxdecl._check", "jaxdecl"}
+    for name in ("jaxdecl._kernels", "jaxdecl._failures"):
+        assert not graph[name] & (above | {"jaxdecl._runtime"}), (name, graph[name])
+    assert graph["jaxdecl._runtime"] <= {"jaxdecl._cfunction", "jaxdecl._compat",
+                                         "jaxdecl._dtypes"}, graph["jaxdecl._runtime"]
+
 def test_only_compat_knows_jax_internals_and_versions():
     """Version knowledge lives in _compat.py: no other module imports jax._src or reads a
     version, so supporting another JAX means changing one file."""
