@@ -548,7 +548,7 @@ def flatten_inputs(spec, args) -> tuple:
         # None (an empty pytree) and lone leaves (a string, a callable) get
         # _as_operand's error; arrays and scalars are converted directly.
         leaves, tree = ((), None) if isinstance(value, _LEAVES) or value is None else \
-            jax.tree_util.tree_flatten(value)
+            jax.tree_util.tree_flatten(value, is_leaf=_structure.stands_for_array)
         if tree is None or jax.tree_util.treedef_is_leaf(tree):
             operand = _as_operand(value, spec, name)
             operands.append(operand)
@@ -559,7 +559,8 @@ def flatten_inputs(spec, args) -> tuple:
         for index, leaf in enumerate(leaves):
             if not isinstance(leaf, _LEAVES):
                 if paths is None:
-                    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(value)[0]]
+                    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(
+                        value, is_leaf=_structure.stands_for_array)[0]]
                 leaf = _as_operand(leaf, spec, name + jax.tree_util.keystr(paths[index]))
             else:
                 leaf = _as_operand(leaf, spec, name)
@@ -644,7 +645,10 @@ def apply_op(instance, args: tuple, kwargs: dict):
         # Once, on one device, not once per device on gathered copies.
         return _partition.run_once(lambda whole: apply_op(instance, tuple(whole), {}), args)
     try:
-        call = handle.eager_calls[tuple([(a.shape, a.dtype) for a in args])]
+        # An object that stands for an array (nnx.Variable: shape and dtype, __jax_array__)
+        # shortens the key, so that it misses and flatten_inputs converts the object.
+        call = handle.eager_calls[tuple([(a.shape, a.dtype) for a in args
+                                         if getattr(a, "__jax_array__", None) is None])]
         pin = call.kernel.pin()  # held until the call returns: the kernel's op stays alive
         if pin is None:
             raise KeyError
