@@ -69,7 +69,7 @@ def flatten_inputs(spec, args) -> tuple:
         # None (an empty pytree) and lone leaves (a string, a callable) get
         # _as_operand's error; arrays and scalars are converted directly.
         leaves, tree = ((), None) if isinstance(value, _LEAVES) or value is None else \
-            jax.tree_util.tree_flatten(value)
+            jax.tree_util.tree_flatten(value, is_leaf=_structure.stands_for_array)
         if tree is None or jax.tree_util.treedef_is_leaf(tree):
             operand = _as_operand(value, spec, name)
             operands.append(operand)
@@ -80,7 +80,8 @@ def flatten_inputs(spec, args) -> tuple:
         for index, leaf in enumerate(leaves):
             if not isinstance(leaf, _LEAVES):
                 if paths is None:
-                    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(value)[0]]
+                    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(
+                        value, is_leaf=_structure.stands_for_array)[0]]
                 leaf = _as_operand(leaf, spec, name + jax.tree_util.keystr(paths[index]))
             else:
                 leaf = _as_operand(leaf, spec, name)
@@ -190,7 +191,10 @@ def apply_op(instance, args: tuple, kwargs: dict):
         # The shared single-device executable would gather: the strategy decides.
         return _run_sharded(handle, instance, args)
     try:
-        call = handle.eager_calls[tuple([(a.shape, a.dtype) for a in args])]
+        # An object that stands for an array (nnx.Variable: shape and dtype, __jax_array__)
+        # shortens the key, so that it misses and flatten_inputs converts the object.
+        call = handle.eager_calls[tuple([(a.shape, a.dtype) for a in args
+                                         if getattr(a, "__jax_array__", None) is None])]
         pin = call.kernel.pin()  # held until the call returns: the kernel's op stays alive
         if pin is None:
             raise KeyError

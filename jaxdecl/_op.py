@@ -298,5 +298,3 @@ def handle_of(instance) -> OpHandle:
     if _anchors.get(id(instance)) is not handle:
         _anchor(instance, handle)
     return handle
-
-

@@ -5,6 +5,8 @@ the pytrees its op was called with. :func:`structured_rule` wraps a rule with
 a :class:`~jaxdecl._layout.RuleIO` whose groups are pytrees into a function
 of flat operands, for NumPy kernels and traceable rules alike. Ops whose
 inputs and outputs are all arrays never pass through here.
+:func:`stands_for_array` tells which arguments are arrays though they look
+like pytrees (flax's ``nnx.Variable``).
 
 Example:
     >>> import jax, jax.numpy as jnp, jaxdecl as jd
@@ -29,6 +31,21 @@ from ._errors import RuleError
 from ._layout import RuleIO
 
 _tree = jax.tree_util
+
+
+def stands_for_array(value) -> bool:
+    """Whether `value` is one array to ``jax.numpy`` though not a JAX array.
+
+    Such an object has ``__jax_array__`` (flax's ``nnx.Variable``, array
+    wrappers); ``jnp.asarray`` gives the array it stands for. An op takes it
+    as that array, as ``jax.numpy`` functions do, even where it is also a
+    registered pytree: flattened as a pytree, its rules would receive the
+    object and owe cotangents shaped like it, where JAX differentiates
+    through ``__jax_array__`` and expects an array's. Given as ``is_leaf``
+    when an op's arguments are flattened, it makes each such object one leaf,
+    at the top of an argument or inside a pytree.
+    """
+    return getattr(value, "__jax_array__", None) is not None
 
 
 def pack(groups, values) -> list:

@@ -6,6 +6,7 @@ itself is built by ``.ci/run`` (``sphinx-build -W -n``), which also runs the
 tutorials and checks every link.
 """
 
+import ast
 import pathlib
 import re
 import subprocess
@@ -27,9 +28,25 @@ def _blocks():
                 yield pytest.param(code, id=f"{page.relative_to(DOCS)}#{index}")
 
 
+# Optional libraries: an example that imports one is skipped where it is not installed.
+OPTIONAL = {"ducc0", "jaxbind", "scipy", "equinox", "optax", "flax", "lineax", "optimistix",
+            "diffrax", "numpyro"}
+
+
+def _imported(code) -> set:
+    """The top-level packages that `code` imports."""
+    names = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
 @pytest.mark.parametrize("code", list(_blocks()))
 def test_docs_example_runs(code, tmp_path):
-    for library in re.findall(r"^import (ducc0|jaxbind|scipy|equinox)", code, re.M):
+    for library in sorted(_imported(code) & OPTIONAL):
         pytest.importorskip(library)
     # A fresh interpreter: examples set jax options and define classes freely. It runs
     # outside the checkout (as a reader's script would), so that `import jaxdecl` finds the
@@ -43,7 +60,8 @@ def test_docs_have_examples_and_pages():
     assert len(list(_blocks())) >= 20
     names = {p.relative_to(DOCS).as_posix() for p in PAGES}
     for page in ["index.md", "getting-started.md", "troubleshooting.md", "api.md",
-                 "coming-from-jaxbind.md", "coming-from-custom-vjp.md", "tutorials/index.md"]:
+                 "coming-from-jaxbind.md", "coming-from-custom-vjp.md", "tutorials/index.md",
+                 "ecosystem.md"]:
         assert page in names, page
     for concept in ["declaring", "derivatives", "batching", "pytrees", "sharding", "residuals",
                     "c-kernels", "errors-and-debugging", "performance"]:

@@ -549,3 +549,199 @@ def test_plain_arrays_still_take_the_flat_path():
     op(QUERIES)
     layout = next(iter(handle_of(op)._layouts.values()))
     assert not layout.structured
+
+
+# ---------------------------------------------------------------------------------------
+# Objects that stand for an array (__jax_array__), as flax's nnx.Variable does: an op takes
+# them as arrays, as jax.numpy does, even when they are also registered pytrees
+# ---------------------------------------------------------------------------------------
+
+@jax.tree_util.register_pytree_node_class
+class Box:
+    """An array with a label: a pytree of one leaf that also has ``__jax_array__``."""
+
+    def __init__(self, value, label="w"):
+        self.value, self.label = value, label
+
+    def __jax_array__(self):
+        return jnp.asarray(self.value)
+
+    @property
+    def shape(self):  # as nnx.Variable: the shape and dtype of the array it holds
+        return np.shape(self.value)
+
+    @property
+    def dtype(self):
+        return self.value.dtype
+
+    def tree_flatten(self):
+        return (self.value,), self.label
+
+    @classmethod
+    def tree_unflatten(cls, label, children):
+        return cls(children[0], label)
+
+
+class Sin(jd.Primitive):
+    seen = []  # the types the rules received
+
+    @jd.abstract
+    def shapes(self, x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x):
+        type(self).seen.append(type(x))
+        return np.sin(x)
+
+    @jd.jvp
+    def push(self, x, dx):
+        type(self).seen.append(type(dx))
+        return np.cos(x) * dx
+
+    @jd.vjp
+    def pull(self, x, ct):
+        type(self).seen.append(type(x))
+        return np.cos(x) * ct
+
+
+class Bilinear(jd.Primitive, multilinear=True):
+    """a @ x, linear in each of a and x."""
+
+    @jd.abstract
+    def shapes(self, a, x):
+        return jax.ShapeDtypeStruct(a.shape[:1], x.dtype)
+
+    @jd.forward
+    def apply(self, a, x):
+        return a @ x
+
+    @jd.transpose(wrt="a")
+    def transpose_a(self, x, ct):
+        return np.outer(ct, x)
+
+    @jd.transpose(wrt="x")
+    def transpose_x(self, a, ct):
+        return a.T @ ct
+
+
+def _boxed_pair(dtype=np.float64):
+    rng = np.random.default_rng(3)
+    return (Box(jnp.asarray(rng.standard_normal((2, 3)).astype(dtype)), "a"),
+            Box(jnp.asarray(rng.standard_normal(3).astype(dtype)), "x"))
+
+
+def _assert_trees_close(got, want, dtype=np.float64):
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(g, w, **_tol(dtype))
+
+
+@pytest.mark.parametrize("transform", ["eager", "jit", "grad", "jit-grad", "jvp", "vmap",
+                                       "pytree-argument"])
+def test_an_object_with_jax_array_is_an_array_input(transform):
+    Sin.seen.clear()
+    _, box = _boxed_pair()
+    op = Sin()
+    cases = {
+        "eager": lambda f: f(box),
+        "jit": lambda f: jax.jit(f)(box),
+        "grad": lambda f: jax.grad(lambda b: jnp.sum(f(b) ** 2))(box),
+        "jit-grad": lambda f: jax.jit(jax.grad(lambda b: jnp.sum(f(b) ** 2)))(box),
+        "jvp": lambda f: jax.jvp(f, (box,), (Box(jnp.ones(3), "x"),)),
+        "vmap": lambda f: jax.vmap(f)(Box(jnp.ones((4, 3)), "x")),
+        # inside another pytree: the object is one leaf, an array to the rules
+        "pytree-argument": lambda f: jax.grad(lambda t: jnp.sum(f(t["b"]) * f(t["b"])))(
+            {"b": box}),
+    }
+    got = cases[transform](op)
+    want = cases[transform](jnp.sin)  # jax.numpy takes the object as an array
+    _assert_trees_close(got, want)
+    assert Sin.seen and all(t is np.ndarray for t in Sin.seen), Sin.seen
+
+
+def test_an_object_with_jax_array_inside_a_pytree_argument_is_an_array_leaf():
+    _, box = _boxed_pair()
+    got_types = []
+
+    class Scale(jd.Primitive):
+        @jd.abstract
+        def shapes(self, x, p):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+        @jd.forward
+        def apply(self, x, p):
+            got_types.append(type(p["w"]))
+            return p["s"] * p["w"] * x
+
+        @jd.vjp
+        def pull(self, x, p, ct):
+            return p["s"] * p["w"] * ct, {"s": np.sum(p["w"] * x * ct), "w": p["s"] * x * ct}
+
+    x = jnp.arange(3.0)
+    p = {"s": jnp.asarray(2.0), "w": box}
+    got = jax.grad(lambda p: jnp.sum(Scale()(x, p)), allow_int=True)(p)
+    want = jax.grad(lambda p: jnp.sum(p["s"] * jnp.asarray(p["w"]) * x))(p)
+    _assert_trees_close(got, want)
+    assert got_types == [np.ndarray]
+
+
+class Plain:
+    """Stands for an array, but is no pytree."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __jax_array__(self):
+        return self.value
+
+    shape = property(lambda self: self.value.shape)
+    dtype = property(lambda self: self.value.dtype)
+
+
+@jax.tree_util.register_pytree_node_class
+class Sum:
+    """A pytree of two leaves that stands for their sum."""
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+    def __jax_array__(self):
+        return self.a + self.b
+
+    shape = property(lambda self: self.a.shape)
+    dtype = property(lambda self: self.a.dtype)
+
+    def tree_flatten(self):
+        return (self.a, self.b), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+
+@pytest.mark.parametrize("make", [lambda v: Box(v), Plain, lambda v: Sum(v / 4, 3 * v / 4)],
+                         ids=["pytree", "no-pytree", "pytree-of-two"])
+def test_repeated_eager_calls_convert_objects_with_jax_array(make):
+    """The eager path's cache, keyed by shape and dtype, does not pass the object through."""
+    Sin.seen.clear()
+    value = jnp.linspace(0.0, 1.0, 5)
+    op = Sin()
+    op(value)  # the signature is known: a later call could take the cached call directly
+    for _ in range(2):
+        np.testing.assert_allclose(op(make(value)), np.sin(value), **_tol(np.float64))
+    assert Sin.seen == [np.ndarray] * 3
+
+
+@pytest.mark.parametrize("transform", ["eager", "jit", "grad", "jvp", "vmap"])
+def test_multilinear_op_takes_objects_with_jax_array(transform):
+    a, x = _boxed_pair()
+    op = Bilinear()
+    cases = {
+        "eager": lambda f: f(a, x),
+        "jit": lambda f: jax.jit(f)(a, x),
+        "grad": lambda f: jax.grad(lambda a, x: jnp.sum(f(a, x) ** 2), argnums=(0, 1))(a, x),
+        "jvp": lambda f: jax.jvp(f, (a, x), (a, x)),
+        "vmap": lambda f: jax.vmap(f, in_axes=(None, 0))(a, Box(jnp.ones((4, 3)), "x")),
+    }
+    _assert_trees_close(cases[transform](op), cases[transform](jnp.matmul))
