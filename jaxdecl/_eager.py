@@ -174,31 +174,41 @@ def run_sharded(eqn, operands, *, single: bool = False, rebuild=None):
     :class:`Call` does.
     """
     mesh, specs = _plan.common_mesh(operands)
-    explicit = mesh is not None and _compat.has_explicit_axes(mesh)
-    strategy = _strategy.choose(_strategy.facts(
-        devices=2, eager=True, common_mesh=mesh is not None, declared=eqn.declared,
-        explicit=explicit))
-    if strategy is Strategy.ONE_DEVICE:
-        return _one_device(eqn, operands, mesh, specs, single, rebuild)
-    call, pin = sharded_call(eqn, mesh, specs, operands, single=single, rebuild=rebuild)
-    whole = _compat.NamedSharding(mesh, _compat.P())
-    placed = [x if _on(x, mesh) else jax.device_put(x, whole) for x in operands]
+    # A call cached for these operands' mesh and specs was planned per shard already.
+    found = sharded_call(eqn, mesh, specs, operands, single=single, rebuild=rebuild,
+                         cached_only=True) if mesh is not None else None
+    if found is None:
+        strategy = _strategy.choose(_strategy.facts(
+            devices=2, eager=True, common_mesh=mesh is not None, declared=eqn.declared,
+            explicit=mesh is not None and _compat.has_explicit_axes(mesh),
+            splits=eqn.declared or _splits_batch(eqn, specs),
+            addressable=all(getattr(x, "is_fully_addressable", True) for x in operands)))
+        if strategy is Strategy.ONE_DEVICE:
+            return _one_device(eqn, operands, mesh, specs, single, rebuild)
+        found = sharded_call(eqn, mesh, specs, operands, single=single, rebuild=rebuild)
+    call, pin = found
+    # Operands on no mesh (NumPy values, one-device arrays) join it whole.
+    placed = [x if isinstance(getattr(x, "sharding", None), _compat.NamedSharding) else
+              jax.device_put(x, _compat.NamedSharding(mesh, _compat.P())) for x in operands]
     result = run(call, placed)
     del pin  # held until here: the kernel's op stays alive for the call
     return result
 
 
-def _on(x, mesh) -> bool:
-    sharding = getattr(x, "sharding", None)
-    return isinstance(sharding, _compat.NamedSharding) and sharding.mesh == mesh
+def _splits_batch(eqn, specs) -> bool:
+    """Some operand is split along a vmapped dim (the dims an undeclared op may split)."""
+    n = len(eqn.batch)
+    return bool(n and specs and any(any(spec[:n]) for spec in specs))
 
 
-def sharded_call(eqn, mesh, specs, operands, *, single=False, rebuild=None):
+def sharded_call(eqn, mesh, specs, operands, *, single=False, rebuild=None,
+                 cached_only=False):
     """``(call, pin)``: `eqn` ready to run now on each device's blocks (hold `pin`).
 
     Runs through an executable shared by every op with the same per-shard
     signature (nothing compiles per configuration); a rule's exception reaches
-    the caller as itself. Calls are cached on the op's handle.
+    the caller as itself. Calls are cached on the op's handle; `cached_only`:
+    None where none is.
     """
     cache = eqn.op.handle.sharded_calls
     # The op's own eager call returns what @abstract declares (`single`, `rebuild`),
@@ -208,6 +218,8 @@ def sharded_call(eqn, mesh, specs, operands, *, single=False, rebuild=None):
     pin = call.kernel.pin() if call is not None else None
     if pin is not None:
         return call, pin
+    if cached_only:
+        return None
     in_shapes = tuple(tuple(x.shape) for x in operands)
     factors = eqn.factors(in_shapes)
     axis_sizes = dict(mesh.shape)
@@ -232,7 +244,7 @@ def _one_device(eqn, operands, mesh, specs, single, rebuild):
         per_result = _plan.result_specs(eqn, _plan.Plan({}, (), tuple(whole), ()),
                                         specs or [spec for spec in map(_plan.spec_of,
                                                                        operands)])
-        placements = [_compat.NamedSharding(mesh, _plan.to_spec(s)) for s in per_result]
+        placements = [_compat.NamedSharding(mesh, _compat.P(*s)) for s in per_result]
 
     def run_whole(values):
         in_shapes = tuple(tuple(x.shape) for x in values)

@@ -12,6 +12,7 @@ traceable rule (JAX-valued)                            ``INLINE``
 one device, or inside ``shard_map``                    ``DIRECT``
 eager, operands on one mesh                            ``PER_SHARD_MAP``
 eager, operands on no common mesh                      ``ONE_DEVICE``
+eager, no declaration, no vmapped dim split, 1 process ``ONE_DEVICE``
 eager, Explicit axes, no declaration, JAX < 0.9        ``ONE_DEVICE``
 jit, Explicit axes                                     ``PER_SHARD_MAP``
 jit, Explicit axes, no declaration, JAX < 0.9          ``DIRECT``
@@ -71,6 +72,8 @@ class CallFacts:
     explicit: bool = False  # mesh axes of type Explicit
     eager: bool = False  # outside any trace: run now
     common_mesh: bool = False  # eager: the operands share one mesh
+    splits: bool = True  # eager: the operands are split along a dim the op may split
+    addressable: bool = True  # eager: this process holds every operand whole
     elementwise: bool = False  # the equation's factors allow an XLA split
     splits_per_shard: bool = True  # this JAX can run a declaration per shard under jit
     explicit_reductions: bool = True  # this JAX can psum inside an Explicit-axes program
@@ -83,9 +86,12 @@ def choose(facts: CallFacts) -> Strategy:
     if facts.devices <= 1 or facts.manual:
         return Strategy.DIRECT
     if facts.eager:
-        if not facts.common_mesh or (facts.explicit and not facts.declared
-                                     and not facts.explicit_reductions):
-            # (Running once over Explicit axes needs a psum: JAX >= 0.9.)
+        if not facts.common_mesh:
+            return Strategy.ONE_DEVICE
+        if not facts.declared and facts.addressable and (
+                not facts.splits or (facts.explicit and not facts.explicit_reductions)):
+            # Nothing to run per shard: one device and a copy back is cheaper than a
+            # collective (and running once over Explicit axes needs a psum: JAX >= 0.9).
             return Strategy.ONE_DEVICE
         return Strategy.PER_SHARD_MAP
     if facts.declared and not facts.splits_per_shard:

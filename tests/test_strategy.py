@@ -28,6 +28,8 @@ DOC_ROWS = {
     "inside `shard_map`": CallFacts(devices=4, manual=True),
     "eager, inputs on one mesh": CallFacts(devices=4, eager=True, common_mesh=True),
     "eager, inputs on no common mesh": CallFacts(devices=4, eager=True),
+    "eager, no declaration, no vmapped dim split, one process": CallFacts(
+        devices=4, eager=True, common_mesh=True, splits=False),
     "eager, Explicit axes, no declaration, JAX < 0.9": CallFacts(
         devices=4, eager=True, common_mesh=True, explicit=True, explicit_reductions=False),
     "`jit`, Explicit axes": CallFacts(devices=4, explicit=True),
@@ -79,6 +81,9 @@ def test_undeclared_ops_take_the_declared_paths():
     assert choose(CallFacts(devices=4)) is Strategy.PARTITIONED
     assert choose(CallFacts(devices=4, explicit=True)) is Strategy.PER_SHARD_MAP
     assert choose(CallFacts(devices=4, eager=True, common_mesh=True)) is Strategy.PER_SHARD_MAP
+    # Several processes hold the operands: run once per block there too, not on one device.
+    assert choose(CallFacts(devices=4, eager=True, common_mesh=True, splits=False,
+                            addressable=False)) is Strategy.PER_SHARD_MAP
 
 
 def test_implied_plan_of_an_undeclared_op_splits_only_vmapped_dims():
