@@ -56,3 +56,48 @@ def _splits_per_shard() -> bool:
 needs_split = pytest.mark.skipif(
     not _splits_per_shard(),
     reason="running a sharding declaration per shard under jit needs JAX >= 0.7")
+
+
+class HelperFailed(Exception):
+    """A helper subprocess exited badly or printed no JSON line."""
+
+
+def helper_checks(stdout: str, stderr: str, returncode: int) -> dict:
+    """The ``{"checks": {...}}`` a helper script printed last (HelperFailed otherwise)."""
+    import json
+
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    if returncode != 0 or not lines:
+        raise HelperFailed(f"the helper failed (exit {returncode}):\n{stderr[-3000:]}")
+    return json.loads(lines[-1])["checks"]
+
+
+def run_helper(command: list, timeout: int = 600, **variables) -> dict:
+    """Runs a helper script in a fresh interpreter; returns its checks."""
+    import subprocess
+
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                          env=subprocess_env(**variables))
+    return helper_checks(done.stdout, done.stderr, done.returncode)
+
+
+def run_two_processes(command: list, timeout: int = 300, **variables) -> list:
+    """Runs `command` + ``[PORT, I]`` as processes 0 and 1 of one ``jax.distributed``
+    job on 127.0.0.1; returns each process's checks."""
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    env = subprocess_env(**variables)
+    children = [subprocess.Popen(command + [port, str(i)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    try:
+        outputs = [child.communicate(timeout=timeout) for child in children]
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+    return [helper_checks(out, err, child.returncode)
+            for (out, err), child in zip(outputs, children)]

@@ -7,9 +7,7 @@ local blocks, values match the unsharded computation.
 """
 
 import contextlib
-import json
 import os
-import subprocess
 import sys
 import warnings
 
@@ -17,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import needs_split, subprocess_env
+from conftest import needs_split, run_helper, run_two_processes
 
 import jaxdecl as jd
 
@@ -123,12 +121,7 @@ def test_single_device_lowering_is_unchanged():
 
 
 def _scenario(name: str) -> dict:
-    completed = subprocess.run(
-        [sys.executable, HELPER, name], capture_output=True, text=True, timeout=300,
-        env=subprocess_env())
-    lines = [line for line in completed.stdout.splitlines() if line.startswith("{")]
-    assert completed.returncode == 0 and lines, completed.stderr[-3000:]
-    return json.loads(lines[-1])["checks"]
+    return run_helper([sys.executable, HELPER, name], timeout=300)
 
 
 @needs_split
@@ -140,33 +133,11 @@ def test_multi_device(scenario):
     assert len(checks) > 10
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @needs_split
 def test_two_processes():
     """A 4-device mesh over 2 processes (jax.distributed, gloo): each runs its own shards."""
-    port = str(_free_port())
-    env = subprocess_env(JAXDECL_TEST_DEVICES="2")
-    children = [subprocess.Popen([sys.executable, HELPER, "processes", port, str(i)],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 env=env) for i in range(2)]
-    outputs = []
-    try:
-        for child in children:
-            stdout, stderr = child.communicate(timeout=300)
-            lines = [line for line in stdout.splitlines() if line.startswith("{")]
-            assert child.returncode == 0 and lines, stderr[-3000:]
-            outputs.append(json.loads(lines[-1])["checks"])
-    finally:
-        for child in children:
-            if child.poll() is None:
-                child.kill()
+    outputs = run_two_processes([sys.executable, HELPER, "processes"],
+                                JAXDECL_TEST_DEVICES="2")
     for process, checks in enumerate(outputs):
         failed = {name: value for name, value in checks.items() if value is not True}
         assert not failed, (process, failed)

@@ -28,14 +28,12 @@ whole matrix runs with ``pytest -m sharding_matrix`` (as ``.ci/run`` does).
 from __future__ import annotations
 
 import functools
-import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
-from conftest import needs_split, subprocess_env
+from conftest import HelperFailed, needs_split, run_helper, run_two_processes
 
 HELPER = os.path.join(os.path.dirname(__file__), "helpers_sharding_matrix.py")
 
@@ -146,41 +144,11 @@ def _runnable(mode: str, default: bool) -> list:
             and (not default or in_default(mode, kind, transform))]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class _HelperFailed(Exception):
-    pass
-
-
-def _checks(stdout: str, stderr: str, returncode: int) -> dict:
-    lines = [line for line in stdout.splitlines() if line.startswith("{")]
-    if returncode != 0 or not lines:
-        raise _HelperFailed(f"the helper failed (exit {returncode}):\n{stderr[-3000:]}")
-    return json.loads(lines[-1])["checks"]
-
-
 def _run_group(mode: str, cells: list) -> dict:
     command = [sys.executable, HELPER, mode, ",".join(cells)]
     if mode != "processes-1d":
-        done = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                              env=subprocess_env())
-        return _checks(done.stdout, done.stderr, done.returncode)
-    port = str(_free_port())
-    env = subprocess_env(JAXDECL_TEST_DEVICES="2")
-    children = [subprocess.Popen(command + [port, str(i)], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
-    try:
-        outputs = [child.communicate(timeout=300) for child in children]
-    finally:
-        for child in children:
-            if child.poll() is None:
-                child.kill()
-    results = [_checks(out, err, child.returncode)
-               for (out, err), child in zip(outputs, children)]
+        return run_helper(command)
+    results = run_two_processes(command, JAXDECL_TEST_DEVICES="2")
     # A cell passes when it passes in both processes (each checks its own shards).
     return {cell: True if all(r[cell] is True for r in results) else
             "; ".join(f"process {i}: {r[cell]}" for i, r in enumerate(results)
@@ -195,7 +163,7 @@ def _group(mode: str, default: bool):
         return _run_group(mode, _runnable(mode, default))
     except subprocess.TimeoutExpired:
         return f"the helper for {mode} timed out"
-    except _HelperFailed as error:
+    except HelperFailed as error:
         return str(error)
 
 

@@ -6,15 +6,12 @@ different code paths run in subprocesses with 4 host devices and with two
 processes (``helpers_seams.py``), each against ``jax.numpy``.
 """
 
-import json
 import os
 import pathlib
-import socket
-import subprocess
 import sys
 
 import pytest
-from conftest import needs_split, subprocess_env
+from conftest import needs_split, run_helper, run_two_processes
 
 from jaxdecl._strategy import CallFacts, Strategy, choose
 
@@ -98,17 +95,9 @@ def test_implied_plan_of_an_undeclared_op_splits_only_vmapped_dims():
     assert p.summed == ((),)
 
 
-def _scenario(*args) -> dict:
-    completed = subprocess.run([sys.executable, HELPER, *args], capture_output=True, text=True,
-                               timeout=600, env=subprocess_env())
-    lines = [line for line in completed.stdout.splitlines() if line.startswith("{")]
-    assert completed.returncode == 0 and lines, completed.stderr[-3000:]
-    return json.loads(lines[-1])["checks"]
-
-
 @needs_split
 def test_seams_on_four_devices():
-    checks = _scenario("devices")
+    checks = run_helper([sys.executable, HELPER, "devices"])
     failed = {name: value for name, value in checks.items() if value is not True}
     assert not failed, failed
     assert len(checks) >= 20
@@ -116,23 +105,6 @@ def test_seams_on_four_devices():
 
 @needs_split
 def test_seams_across_two_processes():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
-    children = [subprocess.Popen([sys.executable, HELPER, "processes", port, str(i)],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 env=subprocess_env()) for i in range(2)]
-    try:
-        outputs = []
-        for child in children:
-            stdout, stderr = child.communicate(timeout=300)
-            lines = [line for line in stdout.splitlines() if line.startswith("{")]
-            assert child.returncode == 0 and lines, stderr[-3000:]
-            outputs.append(json.loads(lines[-1])["checks"])
-    finally:
-        for child in children:
-            if child.poll() is None:
-                child.kill()
-    for process, checks in enumerate(outputs):
+    for process, checks in enumerate(run_two_processes([sys.executable, HELPER, "processes"])):
         failed = {name: value for name, value in checks.items() if value is not True}
         assert not failed, (process, failed)
