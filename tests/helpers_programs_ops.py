@@ -1,0 +1,348 @@
+"""The ops of the generated programs, their ``jax.numpy`` twins, and what a program uses.
+
+Every generated program (``helpers_programs_draw.py``) is a script whose ``run(ops)``
+builds inputs, applies ops from ``ops`` and transforms, and returns the result. It runs
+twice, with ``OPS`` (jaxdecl ops) and with ``TWINS`` (classes with the same constructor
+that compute the same function in ``jax.numpy``); ``compare`` then says how the two
+results differ. A script imports this module, after setting ``XLA_FLAGS`` and
+``jax_enable_x64`` itself:
+
+    >>> op, twin = OPS.Quad(0.5), TWINS.Quad(0.5)
+    >>> x = np.linspace(0.5, 1.5, 4)
+    >>> compare(op(x), twin(x), specs=False, rtol=1e-10)
+    []
+
+The ops, one per way of declaring one (all with NumPy rules):
+
+- ``Quad(c)``: x + c x², declared elementwise (``"... n -> ... n"``), its forward
+  writing into ``out=``, vectorized over a ``vmap`` batch;
+- ``Mul()``: x1 · x2², two inputs declared elementwise (the README's example);
+- ``Tanh()``: tanh, no sharding declaration (it runs once, on gathered inputs);
+- ``SinRes()``: sin, keeping cos(x) as a residual (``@jd.residuals``, ``residuals=``);
+- ``Scale(c)``: c · x, ``linear=True`` with a ``@transpose``;
+- ``MatVec()``: ``sum(a * x, -1)``, ``multilinear=True``, ``reduce=("k",)``;
+- ``CumSum()``: a cumulative sum along the last dim, linear, ``replicate=("n",)``.
+"""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxdecl as jd
+
+__all__ = ["OPS", "TWINS", "AxisType", "P", "blend", "compare", "cotangent", "jax", "jnp",
+           "make_mesh", "np", "place", "tangent", "total", "values"]
+
+
+def _same(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+class Quad(jd.Primitive, batch="vectorized", sharding="... n -> ... n"):
+    def __init__(self, c=0.25):
+        self.c = c
+
+    @jd.abstract
+    def shapes(self, x):
+        return _same(x)
+
+    @jd.forward
+    def apply(self, x, *, out):
+        np.multiply(x, x, out=out)
+        out *= self.c
+        out += x
+
+    @jd.jvp
+    def push(self, x, dx):
+        return (1 + 2 * self.c * x) * dx
+
+    @jd.vjp
+    def pull(self, x, ct):
+        return (1 + 2 * self.c * x) * ct
+
+
+class Mul(jd.Primitive, batch="vectorized", sharding="... n, ... n -> ... n"):
+    @jd.abstract
+    def shapes(self, x1, x2):
+        return _same(x1)
+
+    @jd.forward
+    def apply(self, x1, x2, *, out):
+        np.multiply(x1, x2 ** 2, out=out)
+
+    @jd.jvp
+    def push(self, x1, x2, dx1, dx2):
+        return x2 ** 2 * dx1 + 2 * x1 * x2 * dx2
+
+    @jd.vjp
+    def pull(self, x1, x2, ct):
+        return x2 ** 2 * ct, 2 * x1 * x2 * ct
+
+
+class Tanh(jd.Primitive):
+    @jd.abstract
+    def shapes(self, x):
+        return _same(x)
+
+    @jd.forward
+    def apply(self, x):
+        return np.tanh(x)
+
+    @jd.jvp
+    def push(self, x, dx, *, result):
+        return (1 - result ** 2) * dx
+
+    @jd.vjp
+    def pull(self, x, ct):
+        return (1 - np.tanh(x) ** 2) * ct
+
+
+class SinRes(jd.Primitive, sharding="... n -> ... n", residuals={"cos": "... n"}):
+    @jd.abstract
+    def shapes(self, x):
+        return _same(x)
+
+    @jd.residuals
+    def keeps(self, x):
+        return {"cos": _same(x)}
+
+    @jd.forward
+    def apply(self, x, *, saved=None):
+        if saved is not None:
+            saved["cos"][...] = np.cos(x)
+        return np.sin(x)
+
+    @jd.jvp
+    def push(self, x, dx, *, saved):
+        return saved["cos"] * dx
+
+    @jd.vjp
+    def pull(self, x, ct, *, saved):
+        return saved["cos"] * ct
+
+
+class Scale(jd.Primitive, linear=True, batch="vectorized", sharding="... n -> ... n"):
+    def __init__(self, c=2.0):
+        self.c = c
+
+    @jd.abstract
+    def shapes(self, x):
+        return _same(x)
+
+    @jd.forward
+    def apply(self, x, *, out):
+        np.multiply(x, self.c, out=out)
+
+    @jd.transpose
+    def apply_t(self, ct):
+        return self.c * ct
+
+
+class MatVec(jd.Primitive, multilinear=True, sharding="b k, k -> b", reduce=("k",)):
+    @jd.abstract
+    def shapes(self, a, x):
+        return jax.ShapeDtypeStruct(a.shape[:1], a.dtype)
+
+    @jd.forward
+    def apply(self, a, x):
+        return a @ x
+
+    @jd.transpose(wrt="a")
+    def t_a(self, x, ct):
+        return np.outer(ct, x)
+
+    @jd.transpose(wrt="x")
+    def t_x(self, a, ct):
+        return a.T @ ct
+
+
+class CumSum(jd.Primitive, linear=True, sharding="... n -> ... n", replicate=("n",)):
+    @jd.abstract
+    def shapes(self, x):
+        return _same(x)
+
+    @jd.forward
+    def apply(self, x):
+        return np.cumsum(x, axis=-1)
+
+    @jd.transpose
+    def apply_t(self, ct):
+        return np.cumsum(ct[..., ::-1], axis=-1)[..., ::-1]
+
+
+class _Twin:
+    """A jax.numpy twin: the op's constructor, and ``__call__`` computing its function."""
+
+    def __init__(self, *config):
+        self.config = config
+
+
+class QuadTwin(_Twin):
+    def __call__(self, x):
+        c = self.config[0] if self.config else 0.25
+        return x + c * x * x
+
+
+class MulTwin(_Twin):
+    def __call__(self, x1, x2):
+        return x1 * x2 ** 2
+
+
+class TanhTwin(_Twin):
+    def __call__(self, x):
+        return jnp.tanh(x)
+
+
+class SinResTwin(_Twin):
+    def __call__(self, x):
+        return jnp.sin(x)
+
+
+class ScaleTwin(_Twin):
+    def __call__(self, x):
+        return (self.config[0] if self.config else 2.0) * x
+
+
+class MatVecTwin(_Twin):
+    # Not a @ x: over Explicit axes JAX refuses a contraction along a sharded dim.
+    def __call__(self, a, x):
+        return jnp.sum(a * x, axis=-1)
+
+
+class CumSumTwin(_Twin):
+    def __call__(self, x):
+        return jnp.cumsum(x, axis=-1)
+
+
+OPS = types.SimpleNamespace(Quad=Quad, Mul=Mul, Tanh=Tanh, SinRes=SinRes, Scale=Scale,
+                            MatVec=MatVec, CumSum=CumSum)
+TWINS = types.SimpleNamespace(Quad=QuadTwin, Mul=MulTwin, Tanh=TanhTwin, SinRes=SinResTwin,
+                              Scale=ScaleTwin, MatVec=MatVecTwin, CumSum=CumSumTwin)
+#: Ops with no sharding declaration: their results are typed whole under Explicit axes,
+#: so a program using one is compared by value (and devices), not by sharding type.
+UNDECLARED = ("Tanh",)
+
+
+# ---------------------------------------------------------------------------------------
+# What a program's script uses
+# ---------------------------------------------------------------------------------------
+
+def make_mesh(name: str, axis_type: str):
+    """The (4,) mesh "d" (``name="1d"``) or the (2, 2) mesh "x", "y" (``"2d"``)."""
+    kind = getattr(AxisType, axis_type)
+    if name == "1d":
+        return jax.make_mesh((4,), ("d",), axis_types=(kind,))
+    return jax.make_mesh((2, 2), ("x", "y"), axis_types=(kind, kind))
+
+
+def values(rng, shape, dtype):
+    """Values in [0.5, 1.5] (plus an imaginary part in [-0.5, 0.5] if complex)."""
+    value = rng.uniform(0.5, 1.5, shape)
+    if np.issubdtype(np.dtype(dtype), np.complexfloating):
+        value = value + 1j * rng.uniform(-0.5, 0.5, shape)
+    return np.asarray(value).astype(dtype)
+
+
+def place(value, mesh, spec):
+    """`value` laid out over `mesh` as `spec`, or on the default device if `spec` is None."""
+    if spec is None:
+        return jnp.asarray(value)
+    return jax.make_array_from_callback(value.shape, NamedSharding(mesh, spec),
+                                        lambda index: value[index])
+
+
+def total(out):
+    """A real scalar of a result: the sum of the real parts of all its leaves."""
+    return sum(jnp.real(leaf).sum() for leaf in jax.tree.leaves(out))
+
+
+def tangent(x):
+    """The tangent a jvp or linearize pushes for input `x` (laid out as `x`)."""
+    return jnp.cos(x)
+
+
+def cotangent(out):
+    """The cotangent a vjp pulls back for a result (laid out as the result)."""
+    return jax.tree.map(jnp.cos, out)
+
+
+def blend(carry, out):
+    """A scan step's next carry: mixed with the step's first result where that has the
+    carry's shape and dtype (so the op's result flows into the next step)."""
+    leaf = jax.tree.leaves(out)[0]
+    if leaf.shape != carry.shape or leaf.dtype != carry.dtype:
+        return 0.9 * carry
+    want = jax.typeof(carry).sharding
+    if jax.typeof(leaf).sharding.spec != want.spec:
+        # Under Explicit axes a scan's carry keeps its type: reshard as a user would.
+        leaf = jax.sharding.reshard(leaf, want)
+    return 0.5 * carry + 0.25 * jnp.sin(leaf)
+
+
+# ---------------------------------------------------------------------------------------
+# Comparing a program's result with its twin's
+# ---------------------------------------------------------------------------------------
+
+def _spec_tuple(spec, ndim) -> tuple:
+    entries = []
+    for entry in tuple(spec) + (None,) * (ndim - len(spec)):
+        if isinstance(entry, (tuple, list)):
+            entry = tuple(entry) if len(entry) > 1 else entry[0] if entry else None
+        entries.append(entry)
+    return tuple(entries)
+
+
+def _devices(leaf):
+    sharding = getattr(leaf, "sharding", None)
+    return None if sharding is None else set(sharding.device_set)
+
+
+def _gathered(leaf):
+    """The whole value of a result, also one that spans several processes."""
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+    return np.asarray(leaf)
+
+
+def compare(out, expected, *, specs: bool, rtol: float = 1e-10) -> list:
+    """How `out` differs from its twin's `expected` (empty: it does not).
+
+    Values to `rtol` (1e-4 where a float32 input enters: its rounding reaches float64
+    results too), relative to the largest expected magnitude; the devices each result
+    lives on; with ``specs``, each result's sharding type (Explicit axes:
+    ``jax.typeof(leaf).sharding.spec``).
+    """
+    out_leaves, out_tree = jax.tree.flatten(out)
+    exp_leaves, exp_tree = jax.tree.flatten(expected)
+    if out_tree != exp_tree:
+        return [f"structure {out_tree} != {exp_tree}"]
+    problems = []
+    for k, (leaf, want) in enumerate(zip(out_leaves, exp_leaves)):
+        got, wanted = _gathered(leaf), _gathered(want)
+        if got.shape != wanted.shape or got.dtype != wanted.dtype:
+            problems.append(f"leaf {k}: {got.dtype}{list(got.shape)} != "
+                            f"{wanted.dtype}{list(wanted.shape)}")
+            continue
+        tol = max(rtol, 1e-4 if wanted.dtype in (np.float32, np.complex64) else 0.0)
+        finite = np.abs(wanted[np.isfinite(wanted)])
+        scale = 1.0 + (float(np.max(finite)) if finite.size else 0.0)
+        if not np.allclose(got, wanted, rtol=tol, atol=tol * scale, equal_nan=True):
+            error = np.abs(got - wanted)
+            error = float(np.max(np.where(np.isnan(error), np.inf, error)))
+            problems.append(f"leaf {k}: values differ by up to {error:.3g} (scale {scale:.3g})")
+        mine, theirs = _devices(leaf), _devices(want)
+        if mine is not None and theirs is not None and mine != theirs:
+            problems.append(f"leaf {k}: on {len(mine)} device(s), the twin's on {len(theirs)}")
+        if specs:
+            typed, twin = jax.typeof(leaf).sharding.spec, jax.typeof(want).sharding.spec
+            if _spec_tuple(typed, got.ndim) != _spec_tuple(twin, got.ndim):
+                problems.append(f"leaf {k}: type {jax.typeof(leaf)}, the twin's "
+                                f"{jax.typeof(want)}")
+    return problems

@@ -1,0 +1,215 @@
+"""Generated programs: random sharded programs over jaxdecl ops against their jax.numpy twins.
+
+``helpers_programs_draw.py`` draws, from a seed alone, a mesh and its axis types (in one
+process, or over two with ``jax.distributed``), inputs laid out over it, a program of 1-3
+op applications mixed with ``jax.numpy`` and 0-3 nested transforms (``jit``, ``grad``,
+``jvp``, ``vjp``, ``linearize``, ``vmap``, ``lax.scan``, ``checkpoint``, ``shard_map``);
+``helpers_programs.py`` runs each program and its twin (the same program with the ops'
+``jax.numpy`` twins) and compares values, devices and, under Explicit axes, sharding types.
+
+The default run checks a fixed sample of draws; ``pytest -m generated_programs`` checks
+``JAXDECL_PROGRAM_DRAWS`` of them (default 2000). The draws of a group (``GROUPS``) run in
+one subprocess (two for the "processes" group; a fresh one every 100 draws), so JAX starts
+a few times. A failing draw is listed with its failure class, the command that re-runs it
+verbosely and prints it as a standalone script, and a one-line rendering of the program.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import json
+import os
+import queue
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+
+import pytest
+from conftest import subprocess_env
+from helpers_programs_draw import GROUPS, OPS, PLACEMENTS, TRANSFORMS, draw, group_of
+
+HELPER = os.path.join(os.path.dirname(__file__), "helpers_programs.py")
+SAMPLE = range(120)
+DRAWS = int(os.environ.get("JAXDECL_PROGRAM_DRAWS", "2000"))
+DRAW_TIMEOUT = 300  # seconds one draw may take before its process is killed (a hang)
+PER_PROCESS = 100  # draws per process: compiled programs pile up (about 1 GB per 100)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _merge(results: list) -> dict:
+    """One draw's result from the results of its processes (the worst outcome)."""
+    if len(results) == 1:
+        return results[0]
+    worst = max(results, key=lambda r: _SEVERITY.index(r["outcome"]))
+    details = [f"process {i}: {r['detail']}" for i, r in enumerate(results) if r["detail"]]
+    if len({(r["outcome"], r["detail"]) for r in results}) == 1:
+        details = [worst["detail"]] if worst["detail"] else []
+    return dict(worst, detail="; ".join(details), seconds=max(r["seconds"] for r in results),
+                cpu=max(r["cpu"] for r in results))
+
+
+_SEVERITY = ("ok", "skip", "refused", "wrong", "error")
+
+
+def _stream(seeds: list, processes: int) -> tuple:
+    """Runs `seeds` in one helper process, or in two meeting over jax.distributed:
+    ({seed: result}, why they stopped early or "")."""
+    command = [sys.executable, HELPER, "--seeds", ",".join(map(str, seeds))]
+    if processes > 1:
+        port = str(_free_port())
+        commands = [command + ["--process", str(i), "--port", port] for i in range(processes)]
+    else:
+        commands = [command]
+    lines: queue.Queue = queue.Queue()
+    seen = collections.defaultdict(dict)  # seed -> {process: result}
+    results, why = {}, ""
+    with contextlib.ExitStack() as stack:
+        children = []
+        for i, args in enumerate(commands):
+            stderr = stack.enter_context(tempfile.TemporaryFile("w+"))
+            child = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                     env=subprocess_env())
+            children.append((child, stderr))
+            threading.Thread(target=_read, args=(child.stdout, i, lines), daemon=True).start()
+        running = len(children)
+        while running:
+            try:
+                i, line = lines.get(timeout=DRAW_TIMEOUT)
+            except queue.Empty:
+                why = f"no result within {DRAW_TIMEOUT} s (a hang); the processes were killed"
+                break
+            if line is None:
+                running -= 1
+            elif line.startswith("{"):
+                result = json.loads(line)
+                seen[result["seed"]][i] = result
+                if len(seen[result["seed"]]) == len(children):
+                    by_process = seen[result["seed"]]
+                    results[result["seed"]] = _merge([by_process[k] for k in sorted(by_process)])
+        for child, _ in children:
+            if child.poll() is None:
+                child.kill()
+            child.wait()
+        if len(results) < len(seeds) and not why:
+            tails = []
+            for child, stderr in children:
+                stderr.seek(0)
+                tails.append(f"exit {child.returncode}: {stderr.read()[-1500:]}")
+            why = "the process died (" + "; ".join(tails) + ")"
+    return results, why
+
+
+def _read(stream, index: int, lines: queue.Queue) -> None:
+    for line in stream:
+        lines.put((index, line))
+    lines.put((index, None))
+
+
+def run_draws(seeds) -> dict:
+    """{seed: {"outcome", "detail", "seconds", "cpu"}}; a draw that kills or hangs its
+    process is an error, and the draws after it run in a fresh one. Draws of the
+    "processes" group run in two processes, the others in one."""
+    results = {}
+    for processes in (1, 2):
+        pending = [s for s in seeds if draw(s).processes == processes]
+        while pending:
+            chunk = pending[:PER_PROCESS]
+            found, why = _stream(chunk, processes)
+            results.update(found)
+            missing = [s for s in chunk if s not in results]
+            if missing:
+                results[missing[0]] = {"seed": missing[0], "outcome": "error", "detail": why,
+                                       "seconds": 0.0, "cpu": 0.0}
+            pending = [s for s in pending if s not in results]
+    return results
+
+
+@functools.cache
+def _group(group: str, count: int) -> dict:
+    return run_draws([s for s in range(count) if group_of(s) == group])
+
+
+def failure_class(result: dict) -> str:
+    """What a failing draw has in common with others: its outcome, the exception type
+    and the start of the message, numbers masked."""
+    return result["outcome"] + ": " + re.sub(r"\d+", "N", result["detail"].split("\n")[0])[:60]
+
+
+def report(results: dict) -> str:
+    """The failing draws grouped by class, each with its reproducer and its program."""
+    failing = [r for r in results.values() if r["outcome"] in ("error", "wrong")]
+    classes = collections.defaultdict(list)
+    for result in failing:
+        classes[failure_class(result)].append(result)
+    counts = collections.Counter(r["outcome"] for r in results.values())
+    seconds, cpu = (sum(r[key] for r in results.values()) / max(len(results), 1)
+                    for key in ("seconds", "cpu"))
+    lines = [f"{len(failing)} of {len(results)} draws failed ({dict(counts)}; {seconds:.2f} s, "
+             f"{cpu:.2f} s of CPU per draw) in {len(classes)} classes:"]
+    for name, members in sorted(classes.items(), key=lambda item: -len(item[1])):
+        lines.append(f"\n== {name} ({len(members)} draws: "
+                     f"{', '.join(str(r['seed']) for r in members)})")
+        for result in members:
+            lines += [f"-- draw {result['seed']}: {result['detail'][:400]}",
+                      f"   reproduce: python tests/helpers_programs.py --seed {result['seed']}",
+                      f"   {draw(result['seed']).summary}"]
+    return "\n".join(lines)
+
+
+def _check(results: dict) -> None:
+    if any(r["outcome"] in ("error", "wrong") for r in results.values()):
+        pytest.fail(report(results), pytrace=False)
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_generated_programs_sample(group):
+    _check(_group(group, len(SAMPLE)))
+
+
+@pytest.mark.generated_programs
+@pytest.mark.parametrize("group", GROUPS)
+def test_generated_programs(group):
+    _check(_group(group, DRAWS))
+
+
+def test_generated_programs_are_mostly_valid_jax():
+    """Fewer than 10% of the sample's draws are programs whose twin JAX refuses."""
+    results = {}
+    for group in GROUPS:
+        results.update(_group(group, len(SAMPLE)))
+    skipped = [r for r in results.values() if r["outcome"] == "skip"]
+    assert len(skipped) < 0.1 * len(results), "\n".join(
+        f"draw {r['seed']}: {r['detail'][:300]}" for r in skipped)
+
+
+def _features(seeds) -> set:
+    return set().union(*(draw(seed).features for seed in seeds))
+
+
+def test_generator_is_reproducible_and_covers_its_space():
+    for seed in range(0, 2000, 97):
+        drawn, again = draw(seed), draw(seed)
+        assert (again.source, again.summary) == (drawn.source, drawn.summary)
+        compile(drawn.script(os.path.dirname(HELPER)), f"<draw {seed}>", "exec")
+    # The default sample has every group, op, transform, placement and dtype ...
+    wanted = ({f"group:{g}" for g in GROUPS} | {f"op:{o}" for o in OPS}
+              | {f"transform:{t}" for t in TRANSFORMS} | {"transform:eager"}
+              | {f"placement:{p}" for p in PLACEMENTS}
+              | {f"dtype:{d}" for d in ("float32", "float64", "complex128")}
+              | {f"mesh:{a}-{m}" for a in ("auto", "explicit") for m in ("1d", "2d")})
+    assert wanted <= _features(SAMPLE), sorted(wanted - _features(SAMPLE))
+    # ... and the whole run the rarer combinations too.
+    wanted |= ({f"kind:{k}" for k in ("full", "last", "first")} | {f"depth:{k}" for k in range(4)}
+               | {"set_mesh", "no_set_mesh", "temporary", "reused", "pair", "two_results",
+                  "in_axes_none", "partial_shard_map"})
+    assert wanted <= _features(range(2000)), sorted(wanted - _features(range(2000)))
