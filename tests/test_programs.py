@@ -35,7 +35,7 @@ from conftest import subprocess_env
 from helpers_programs_draw import GROUPS, OPS, PLACEMENTS, TRANSFORMS, draw, group_of
 
 HELPER = os.path.join(os.path.dirname(__file__), "helpers_programs.py")
-SAMPLE = range(120)
+SAMPLE = range(100)
 DRAWS = int(os.environ.get("JAXDECL_PROGRAM_DRAWS", "2000"))
 DRAW_TIMEOUT = 300  # seconds one draw may take before its process is killed (a hang)
 PER_PROCESS = 100  # draws per process: compiled programs pile up (about 1 GB per 100)
@@ -163,8 +163,9 @@ def _group(group: str, count: int) -> dict:
 
 def failure_class(result: dict) -> str:
     """What a failing draw has in common with others: its outcome, the exception type
-    and the start of the message, numbers masked."""
-    return result["outcome"] + ": " + re.sub(r"\d+", "N", result["detail"].split("\n")[0])[:60]
+    and the start of the message, numbers and partition specs masked."""
+    detail = re.sub(r"\d+", "N", re.sub(r"P\([^)]*\)", "P(...)", result["detail"]))
+    return f"{result['outcome']}: {detail.splitlines()[0] if detail else ''}"[:55]
 
 
 def report(results: dict) -> str:
