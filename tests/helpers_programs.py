@@ -8,8 +8,9 @@ types:
   draw of the "processes" group starts two processes of itself and shows both;
 - ``python helpers_programs.py --seeds N,M,... [--process I --port PORT]``: the draws
   one by one, one JSON line each as it finishes (``{"seed", "outcome", "detail",
-  "seconds", "cpu"}``), so that a caller sees which draw a crash or a hang stopped at;
-  with ``--process``, as process I of two meeting at 127.0.0.1:PORT.
+  "seconds", "cpu"}``), and one (``{"seed", "phase": "program"}``) when its twin has
+  run, so that a caller sees which draw, and which of its two runs, a crash or a hang
+  stopped at; with ``--process``, as process I of two meeting at 127.0.0.1:PORT.
   ``tests/test_programs.py`` runs the draws of one group per process (two for the
   "processes" group), so JAX starts a few times.
 
@@ -68,8 +69,9 @@ def _run(program, ops):
     return out
 
 
-def outcome(seed: int, verbose: bool = False) -> tuple:
-    """(outcome, detail) of draw `seed`; `verbose` prints tracebacks as they happen."""
+def outcome(seed: int, verbose: bool = False, twin_done=lambda: None) -> tuple:
+    """(outcome, detail) of draw `seed`; `verbose` prints tracebacks as they happen;
+    `twin_done` is called between the twin's run and the program's."""
     drawn = draw(seed)
     namespace = dict(vars(ops_module))
     exec(compile(drawn.source, f"<program {seed}>", "exec"), namespace)
@@ -83,6 +85,7 @@ def outcome(seed: int, verbose: bool = False) -> tuple:
             if verbose:
                 traceback.print_exc()
             return "skip", f"the twin raised {_describe(error)}"
+        twin_done()
         try:
             out = _run(program, ops_module.OPS)
             problems = ops_module.compare(out, expected, specs=drawn.specs, rtol=drawn.rtol)
@@ -135,8 +138,13 @@ def main(argv) -> None:
     elif argv[0] == "--seeds":
         for seed in (int(s) for s in argv[1].split(",") if s):
             start, cpu = time.perf_counter(), time.process_time()
+
+            def twin_done(seed=seed):
+                # If the process dies now, the program killed it, not its twin.
+                print(json.dumps({"seed": seed, "phase": "program"}), flush=True)
+
             try:
-                result, detail = outcome(seed)
+                result, detail = outcome(seed, twin_done=twin_done)
             except Exception as error:  # noqa: BLE001 - a bug of the generator: say so
                 result, detail = "error", f"the draw itself failed: {_describe(error)}"
             print(json.dumps({"seed": seed, "outcome": result, "detail": detail[:2000],

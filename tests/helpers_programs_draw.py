@@ -20,9 +20,13 @@
   and ``shard_map`` (``in_specs`` the inputs' specs). Second derivatives only of
   programs whose ops are linear: a NumPy rule has none (a documented refusal).
 
-The draw is Python source defining ``run(ops)``; run with ``helpers_programs_ops.OPS``
-it is the jaxdecl program, with ``TWINS`` its ``jax.numpy`` twin. This module imports
-no JAX, so that a test can group seeds and check the generator without starting it:
+The draw is Python source defining ``run(ops)`` (``helpers_programs_source.py`` writes
+it); run with ``helpers_programs_ops.OPS`` it is the jaxdecl program, with ``TWINS`` its
+``jax.numpy`` twin. Where JAX itself refuses a combination (a vmap of a shard_map with a
+split batch, arrays split differently under Explicit axes, a cumsum along a split dim
+there), the draw mostly avoids it, so that few draws are invalid JAX. This module
+imports no JAX, so that a test can group seeds and check the generator without starting
+it:
 
     >>> first = draw(7)
     >>> first.group, first.source == draw(7).source
@@ -35,8 +39,9 @@ import dataclasses
 import random
 import re
 
+from helpers_programs_source import axes_of, render, render_spec, script
+
 GROUPS = ("auto-1d", "auto-2d", "explicit-1d", "explicit-2d", "processes")
-PROCESS_PORT = 12355  # where the processes of a standalone "processes" script meet
 AXES = {"1d": {"d": 4}, "2d": {"x": 2, "y": 2}}
 SHAPES = ((8,), (8, 4), (4, 8), (8, 6))
 BATCH, STEPS = 4, 3  # the size of a vmap batch, the length of a scan
@@ -47,7 +52,8 @@ ONCE = ("jit", "shard_map", "scan", "checkpoint")  # at most once per draw
 OPS = ("Quad", "Mul", "Tanh", "SinRes", "Scale", "MatVec", "CumSum")
 LINEAR = ("Scale", "MatVec", "CumSum")  # every order of derivative works
 UNDECLARED = ("Tanh",)  # results typed whole: no sharding-type check
-CONFIGS = {"Quad": ("0.1", "0.2", "0.3"), "Scale": ("2.0", "-0.5", "3.0")}
+CONFIGS = {"Quad": ("0.1", "0.2", "0.3"), "Scale": ("2.0", "-0.5", "3.0"),
+           "Tanh": ("1.0", "0.5", "2.0")}
 ARGS = "abc"
 PLACEMENTS = ("aligned", "random", "replicated", "unsharded")
 
@@ -74,36 +80,7 @@ class Draw:
 
     def script(self, tests_dir: str) -> str:
         """A standalone script: runs the program, then its twin, and prints how they differ."""
-        start = "" if self.processes == 1 else _PROCESSES.format(port=PROCESS_PORT)
-        return _SCRIPT.format(
-            seed=self.seed, summary=self.summary, tests_dir=tests_dir, source=self.source,
-            specs=self.specs, rtol=self.rtol, devices=4 // self.processes, start=start,
-            how="" if self.processes == 1 else
-            "\n\nRun it as two processes: `python FILE 0 & python FILE 1`.")
-
-
-_PROCESSES = '''jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize("127.0.0.1:{port}", num_processes=2, process_id=int(sys.argv[1]))
-'''
-
-_SCRIPT = '''"""Generated program {seed}: {summary}{how}"""
-import os
-import sys
-
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count={devices}"
-import jax
-
-jax.config.update("jax_enable_x64", True)
-{start}sys.path.insert(0, {tests_dir!r})
-from helpers_programs_ops import *  # noqa: E402,F403  the ops, their twins, helpers
-
-
-{source}
-
-out = run(OPS)  # the program with jaxdecl ops
-expected = run(TWINS)  # the same program with the ops' jax.numpy twins
-print(compare(out, expected, specs={specs}, rtol={rtol}) or "same")
-'''
+        return script(self, tests_dir)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,8 +119,11 @@ class _Program:
                 last = self._assign(*self._combine(last, rnd.choice(others)))
             elif rnd.random() < 0.4:
                 w = rnd.choice(others)
-                last = self._assign(f"jnp.sin({last.name}) + jnp.sin({w.name}.sum())",
-                                    last.kind, _promote(last.dtype, w.dtype))
+                dtype = _promote(last.dtype, w.dtype)
+                # a reduction mixed in; complex sines grow exponentially: scale instead
+                mixed = (f"jnp.sin({last.name}) + jnp.sin({w.name}.sum())" if dtype != "complex128"
+                         else f"0.5 * {last.name} + {w.name}.mean()")
+                last = self._assign(mixed, last.kind, dtype)
         for value in inputs:  # every input takes part
             if not any(re.search(rf"\b{value.name}\b", line) for line in self.lines):
                 last = self._assign(*self._combine(last, value))
@@ -241,16 +221,8 @@ def _spec(rnd: random.Random, shape: tuple, axes: dict, taken=()) -> list:
             entries[dim] = rnd.choice(fits)
         else:
             continue
-        free = [a for a in free if a not in _axes_of(entries[dim])]
+        free = [a for a in free if a not in axes_of(entries[dim])]
     return entries
-
-
-def _axes_of(entry) -> tuple:
-    return () if entry is None else (entry,) if isinstance(entry, str) else entry
-
-
-def _render_spec(entries) -> str:
-    return "P(" + ", ".join(repr(e) for e in entries) + ")"
 
 
 def _base_shape(kind: str, shape: tuple) -> tuple:
@@ -261,6 +233,51 @@ def _base_shape(kind: str, shape: tuple) -> tuple:
 # The draw
 # ---------------------------------------------------------------------------------------
 
+@dataclasses.dataclass
+class _Draft:
+    """What a draw has decided so far (the steps of ``draw`` fill it in, in order)."""
+
+    seed: int
+    rnd: random.Random
+    group: str
+    processes: int
+    axis_type: str  # "auto" or "explicit"
+    mesh_name: str  # "1d" or "2d"
+    features: set
+    set_mesh: bool = False
+    shape: tuple = ()
+    aligned: list = dataclasses.field(default_factory=list)  # the spec most inputs share
+    inputs: list = dataclasses.field(default_factory=list)
+    program: _Program | None = None
+    layers: list = dataclasses.field(default_factory=list)  # transforms, outermost first
+    modes: list = dataclasses.field(default_factory=list)  # per input, its placement
+    base: list = dataclasses.field(default_factory=list)  # per input, its base dims' spec
+    # per input, the dims vmap and scan add, outermost first: (size, entry, layer index)
+    lead: list = dataclasses.field(default_factory=list)
+    in_axes: dict = dataclasses.field(default_factory=dict)  # vmap layer -> batched inputs
+    manual: tuple = ()  # the manual axes of a shard_map
+    steps: int = STEPS
+
+    @property
+    def explicit(self) -> bool:
+        return self.axis_type == "explicit"
+
+    @property
+    def axes(self) -> dict:
+        return AXES[self.mesh_name]
+
+    def full_shape(self, i: int) -> tuple:
+        return tuple(s for s, _, _ in self.lead[i]) + _base_shape(self.inputs[i].kind,
+                                                                   self.shape)
+
+    def spec_text(self, i: int) -> str:
+        if self.modes[i] == "unsharded":
+            return "unsharded"
+        if self.modes[i] == "replicated":
+            return "P()"
+        return render_spec([e for _, e, _ in self.lead[i]] + self.base[i])
+
+
 def draw(seed: int) -> Draw:
     """Draw number `seed` (the same program for the same seed, in any process)."""
     rnd = random.Random(seed)
@@ -270,198 +287,117 @@ def draw(seed: int) -> Draw:
         axis_type, mesh_name = rnd.choice(("auto", "explicit")), rnd.choice(("1d", "2d"))
     else:
         axis_type, mesh_name = group.split("-")
-    explicit, axes = axis_type == "explicit", AXES[mesh_name]
-    features = {f"group:{group}", f"mesh:{axis_type}-{mesh_name}"}
-    set_mesh = rnd.random() < (0.9 if explicit else 0.3)
-    features.add("set_mesh" if set_mesh else "no_set_mesh")
+    d = _Draft(seed, rnd, group, processes, axis_type, mesh_name,
+               {f"group:{group}", f"mesh:{axis_type}-{mesh_name}"})
+    d.set_mesh = rnd.random() < (0.9 if d.explicit else 0.3)
+    d.features.add("set_mesh" if d.set_mesh else "no_set_mesh")
+    _draw_program(d)
+    _draw_placements(d)
+    _draw_leading_dims(d)
+    if "shard_map" in d.layers:
+        d.manual = tuple(d.axes)
+        if len(d.manual) == 2 and rnd.random() < 0.2:
+            d.manual = (rnd.choice(d.manual),)
+            d.features.add("partial_shard_map")
+    lines, chain = render(d)
+    program = d.program
+    args = ", ".join(v.name for v in d.inputs)
+    shown = [f"{v.name}: {v.dtype}{list(d.full_shape(i))} {d.spec_text(i)}"
+             for i, v in enumerate(d.inputs)]
+    reused = "; ".join(f"{k} = {v}" for k, v in program.reused.items())
+    where = group if processes == 1 else f"{group} ({axis_type}-{mesh_name})"
+    summary = (f"{where}{', set_mesh' if d.set_mesh else ''}: {chain}; {'; '.join(shown)}; "
+               f"program({args}): {'; '.join(program.lines)}; return {program.result}"
+               + (f" [{reused}]" if reused else ""))
+    specs = d.explicit and not set(program.used) & set(UNDECLARED)
+    rtol = 1e-4 if "dtype:float32" in d.features else 1e-10
+    return Draw(seed, group, "\n".join(lines), summary, specs, rtol, processes,
+                frozenset(d.features))
 
-    shape = rnd.choice(SHAPES)
-    aligned = _spec(rnd, shape, axes)  # the spec most inputs share
-    last_dims = {"full": aligned[-1], "last": aligned[-1], "first": aligned[0]}
-    scans = tuple(k for k, e in last_dims.items() if e is None or not explicit)
+
+def _draw_program(d: _Draft) -> None:
+    """The base shape, the inputs, the program and the transforms."""
+    rnd = d.rnd
+    d.shape = rnd.choice(SHAPES)
+    d.aligned = _spec(rnd, d.shape, d.axes)
+    last_dims = {"full": d.aligned[-1], "last": d.aligned[-1], "first": d.aligned[0]}
+    # the kinds of values whose last dim CumSum may need whole (under Explicit axes
+    # JAX's cumsum, the twin, refuses a split one)
+    scans = tuple(k for k, e in last_dims.items() if e is None or not d.explicit)
     dtype = "complex128" if rnd.random() < 0.15 else rnd.choice(("float32", "float64"))
-    inputs = []
     for i in range(rnd.choice((1, 2, 2, 3, 3))):
-        kind = "full" if i == 0 or len(shape) == 1 else rnd.choices(
+        kind = "full" if i == 0 or len(d.shape) == 1 else rnd.choices(
             ("full", "last", "first"), (4, 4, 2))[0]
         own = dtype
         if i and dtype != "complex128" and rnd.random() < 0.15:
             own = "float64" if dtype == "float32" else "float32"
-        inputs.append(_Value(ARGS[i], kind, own))
-    n = len(inputs)
-    features |= {f"dtype:{v.dtype}" for v in inputs} | {f"kind:{v.kind}" for v in inputs}
+        d.inputs.append(_Value(ARGS[i], kind, own))
+    d.features |= {f"dtype:{v.dtype}" for v in d.inputs} | {f"kind:{v.kind}" for v in d.inputs}
 
-    program = _Program(rnd, inputs, len(shape), scans)
-    features |= program.features | {f"op:{op}" for op in program.used}
-    layers = _layers(rnd, linear_only=set(program.used) <= set(LINEAR))
-    features |= {f"transform:{t}" for t in layers} | {f"depth:{len(layers)}"}
+    d.program = _Program(rnd, d.inputs, len(d.shape), scans)
+    d.features |= d.program.features | {f"op:{op}" for op in d.program.used}
+    d.layers = layers = _layers(rnd, linear_only=set(d.program.used) <= set(LINEAR))
+    d.features |= {f"transform:{t}" for t in layers} | {f"depth:{len(layers)}"}
     if not layers:
-        features.add("transform:eager")
-
+        d.features.add("transform:eager")
     if "shard_map" in layers and "jit" not in layers[:layers.index("shard_map")] \
             and rnd.random() < 0.7:
         # mostly jitted: an eager shard_map compiles every primitive (seconds per draw)
         layers.insert(layers.index("shard_map"), "jit")
 
-    # Placements: a base spec per input, then the leading dims vmap and scan add.
-    inside = "shard_map" in layers
-    modes, base = [], []
-    for i, value in enumerate(inputs):
-        if inside:
+
+def _draw_placements(d: _Draft) -> None:
+    """Each input's placement and the spec of its base dims."""
+    for i, value in enumerate(d.inputs):
+        if "shard_map" in d.layers:
             mode = "aligned"
         else:
             # Explicit axes: JAX refuses to combine differently split arrays (the twin too)
-            mode = rnd.choices(PLACEMENTS, (74, 4, 15, 7) if explicit else (55, 20, 15, 10))[0]
-        if mode == "unsharded" and (i == 0 or processes > 1):
+            weights = (74, 4, 15, 7) if d.explicit else (55, 20, 15, 10)
+            mode = d.rnd.choices(PLACEMENTS, weights)[0]
+        if mode == "unsharded" and (i == 0 or d.processes > 1):
             mode = "aligned"  # (an array on one process's device cannot meet global ones)
-        own = _base_shape(value.kind, shape)
+        own = _base_shape(value.kind, d.shape)
         if mode == "aligned":
+            aligned = d.aligned
             entries = {"full": aligned, "last": aligned[-1:], "first": aligned[:1]}[value.kind]
         elif mode == "random":
-            entries = _spec(rnd, own, axes)
-            if explicit and "CumSum" in program.used:
+            entries = _spec(d.rnd, own, d.axes)
+            if d.explicit and "CumSum" in d.program.used:
                 entries[-1] = None
         else:
             entries = [None] * len(own)
-        modes.append(mode)
-        base.append(list(entries))
-        features.add(f"placement:{mode}")
-    taken = {a for e in aligned for a in _axes_of(e)}
-    lead = [[] for _ in inputs]  # per input, outermost first: (size, entry, layer index)
-    in_axes = {}
-    for index in reversed(range(len(layers))):
-        if layers[index] == "vmap":
-            free = [a for a in axes if a not in taken]
-            axis = rnd.choice(free) if free and rnd.random() < 0.6 else None
-            if "shard_map" in layers[index:]:
+        d.modes.append(mode)
+        d.base.append(list(entries))
+        d.features.add(f"placement:{mode}")
+
+
+def _draw_leading_dims(d: _Draft) -> None:
+    """The dims vmap (a batch, maybe split over a mesh axis) and scan (the steps of
+    every input but the carry) add, from the innermost transform out."""
+    n = len(d.inputs)
+    taken = {a for e in d.aligned for a in axes_of(e)}
+    d.lead = [[] for _ in d.inputs]
+    for index in reversed(range(len(d.layers))):
+        if d.layers[index] == "vmap":
+            free = [a for a in d.axes if a not in taken]
+            axis = d.rnd.choice(free) if free and d.rnd.random() < 0.75 else None
+            if "shard_map" in d.layers[index:]:
                 axis = None  # a vmap of a shard_map cannot split its batch over a mesh axis
             taken |= {axis} if axis else set()
-            batched = [True] + [rnd.random() < 0.8 for _ in inputs[1:]]
-            in_axes[index] = batched
-            features |= {"in_axes_none"} if not all(batched) else set()
+            batched = [True] + [d.rnd.random() < 0.8 for _ in d.inputs[1:]]
+            d.in_axes[index] = batched
+            d.features |= {"in_axes_none"} if not all(batched) else set()
             entries = []
             for i in range(n):
-                own = {a for e in base[i] + [e for _, e, _ in lead[i]] for a in _axes_of(e)}
-                entries.append(axis if modes[i] in ("aligned", "random") and axis not in own
+                own = {a for e in d.base[i] + [e for _, e, _ in d.lead[i]] for a in axes_of(e)}
+                entries.append(axis if d.modes[i] in ("aligned", "random") and axis not in own
                                else None)
-            if explicit and len({e for e, b in zip(entries, batched) if b}) > 1:
+            if d.explicit and len({e for e, b in zip(entries, batched) if b}) > 1:
                 entries = [None] * n  # JAX: vmapped inputs' batch dims split the same way
             for i in range(n):
                 if batched[i]:
-                    lead[i].insert(0, (BATCH, entries[i], index))
-        elif layers[index] == "scan":
+                    d.lead[i].insert(0, (BATCH, entries[i], index))
+        elif d.layers[index] == "scan":
             for i in range(1, n):
-                lead[i].insert(0, (STEPS, None, index))
-
-    lines = ["def run(ops):", f'    """{group}, seed {seed}."""']
-    used = sorted(set(program.used))
-    lines.append(f"    {', '.join(used)} = {', '.join(f'ops.{op}' for op in used)}")
-    lines.append(f'    mesh = make_mesh("{mesh_name}", "{axis_type.title()}")')
-    lines.append(f"    rng = np.random.default_rng({seed})")
-    shown = []
-    for i, value in enumerate(inputs):
-        full_shape = tuple(s for s, _, _ in lead[i]) + _base_shape(value.kind, shape)
-        if modes[i] == "unsharded":
-            spec = "None"
-        elif modes[i] == "replicated":
-            spec = "P()"
-        else:
-            spec = _render_spec([e for _, e, _ in lead[i]] + base[i])
-        lines.append(f'    {value.name} = place(values(rng, {full_shape}, "{value.dtype}"), '
-                     f"mesh, {spec})")
-        shown.append(f"{value.name}: {value.dtype}{list(full_shape)} "
-                     f"{'unsharded' if spec == 'None' else spec}")
-    for name, expr in program.reused.items():
-        lines.append(f"    {name} = {expr}")
-    args = ", ".join(v.name for v in inputs)
-    lines += ["", f"    def program({args}):"]
-    lines += [f"        {line}" for line in program.lines]
-    lines += [f"        return {program.result}", ""]
-
-    inner, chain = "program", "program"
-    for depth, index in enumerate(reversed(range(len(layers)))):
-        name, layer = f"f{depth + 1}", layers[index]
-        if layer == "shard_map":
-            manual = list(axes)
-            if len(manual) == 2 and rnd.random() < 0.2:
-                manual = [rnd.choice(manual)]
-                features.add("partial_shard_map")
-            specs = []
-            for i in range(n):
-                entries = [e for _, e, at in lead[i] if at > index] + base[i]
-                kept = [tuple(a for a in _axes_of(e) if a in manual) for e in entries]
-                specs.append(_render_spec(
-                    [None if not k else k[0] if len(k) == 1 else k for k in kept]))
-            out = manual[0] if len(manual) == 1 else tuple(manual)
-            names = f", axis_names={set(manual)!r}" if len(manual) < len(axes) else ""
-            lines.append(f"    {name} = jax.shard_map({inner}, mesh=mesh, in_specs=("
-                         f"{', '.join(specs)},), out_specs=P({out!r}){names})")
-        else:
-            lines += _layer(layer, name, inner, inputs, in_axes.get(index))
-        chain = f"{_LABELS[layer]}({chain})"
-        inner = name
-    call = f"{inner}({args})"
-    if set_mesh:
-        lines += ["    with jax.set_mesh(mesh):", f"        return {call}"]
-    else:
-        lines.append(f"    return {call}")
-
-    reused = "; ".join(f"{k} = {v}" for k, v in program.reused.items())
-    where = group if processes == 1 else f"{group} ({axis_type}-{mesh_name})"
-    summary = (f"{where}{', set_mesh' if set_mesh else ''}: {chain}; {'; '.join(shown)}; "
-               f"program({args}): {'; '.join(program.lines)}; return {program.result}"
-               + (f" [{reused}]" if reused else ""))
-    specs = explicit and not set(program.used) & set(UNDECLARED)
-    rtol = 1e-4 if "dtype:float32" in features else 1e-10
-    return Draw(seed, group, "\n".join(lines), summary, specs, rtol, processes,
-                frozenset(features))
-
-
-_LABELS = {"jit": "jax.jit", "grad": "jax.grad", "jvp": "jax.jvp", "vjp": "jax.vjp",
-           "linearize": "jax.linearize", "vmap": "jax.vmap", "scan": "lax.scan",
-           "checkpoint": "jax.checkpoint", "shard_map": "jax.shard_map"}
-
-
-def _layer(layer: str, name: str, inner: str, inputs: list, batched) -> list:
-    """Source lines defining `name`, the transform `layer` of the function `inner`."""
-    args = ", ".join(v.name for v in inputs)
-    tup = f"({args},)" if len(inputs) == 1 else f"({args})"
-    tangents = ", ".join(f"tangent({v.name})" for v in inputs)
-    tangents = f"({tangents},)" if len(inputs) == 1 else f"({tangents})"
-    if layer in ("jit", "checkpoint"):
-        return [f"    {name} = jax.{layer}({inner})"]
-    if layer == "grad":
-        argnums = "" if len(inputs) == 1 else f", argnums={tuple(range(len(inputs)))}"
-        return [f"    {name} = jax.grad(lambda {args}: total({inner}({args})){argnums})"]
-    if layer == "jvp":
-        return [f"    {name} = lambda {args}: jax.jvp({inner}, {tup}, {tangents})"]
-    if layer == "vjp":
-        return ["", f"    def {name}({args}):",
-                f"        out, pull = jax.vjp({inner}, {args})",
-                "        return out, pull(cotangent(out))", ""]
-    if layer == "linearize":
-        return ["", f"    def {name}({args}):",
-                f"        out, push = jax.linearize({inner}, {args})",
-                f"        return out, push{tangents}", ""]
-    if layer == "vmap":
-        if all(batched):
-            return [f"    {name} = jax.vmap({inner})"]
-        axes = ", ".join("0" if b else "None" for b in batched)
-        return [f"    {name} = jax.vmap({inner}, in_axes=({axes}))"]
-    if layer == "scan":
-        first, rest = inputs[0].name, ", ".join(v.name for v in inputs[1:])
-        if len(inputs) == 1:
-            return ["", f"    def {name}({args}):",
-                    "        def step(carry, _):",
-                    f"            out = {inner}(carry)",
-                    "            return blend(carry, out), out",
-                    "",
-                    f"        return jax.lax.scan(step, {first}, length={STEPS})", ""]
-        xs = f"({rest},)" if len(inputs) == 2 else f"({rest})"
-        return ["", f"    def {name}({args}):",
-                "        def step(carry, xs):",
-                f"            out = {inner}(carry, *xs)",
-                "            return blend(carry, out), out",
-                "",
-                f"        return jax.lax.scan(step, {first}, {xs})", ""]
-    raise ValueError(f"unknown transform {layer!r}")
+                d.lead[i].insert(0, (STEPS, None, index))

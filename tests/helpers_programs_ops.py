@@ -17,7 +17,7 @@ The ops, one per way of declaring one (all with NumPy rules):
 - ``Quad(c)``: x + c x², declared elementwise (``"... n -> ... n"``), its forward
   writing into ``out=``, vectorized over a ``vmap`` batch;
 - ``Mul()``: x1 · x2², two inputs declared elementwise (the README's example);
-- ``Tanh()``: tanh, no sharding declaration (it runs once, on gathered inputs);
+- ``Tanh(c)``: tanh(c x), no sharding declaration (it runs once, on gathered inputs);
 - ``SinRes()``: sin, keeping cos(x) as a residual (``@jd.residuals``, ``residuals=``);
 - ``Scale(c)``: c · x, ``linear=True`` with a ``@transpose``;
 - ``MatVec()``: ``sum(a * x, -1)``, ``multilinear=True``, ``reduce=("k",)``;
@@ -87,21 +87,24 @@ class Mul(jd.Primitive, batch="vectorized", sharding="... n, ... n -> ... n"):
 
 
 class Tanh(jd.Primitive):
+    def __init__(self, c=1.0):
+        self.c = c
+
     @jd.abstract
     def shapes(self, x):
         return _same(x)
 
     @jd.forward
     def apply(self, x):
-        return np.tanh(x)
+        return np.tanh(self.c * x)
 
     @jd.jvp
     def push(self, x, dx, *, result):
-        return (1 - result ** 2) * dx
+        return self.c * (1 - result ** 2) * dx
 
     @jd.vjp
     def pull(self, x, ct):
-        return (1 - np.tanh(x) ** 2) * ct
+        return self.c * (1 - np.tanh(self.c * x) ** 2) * ct
 
 
 class SinRes(jd.Primitive, sharding="... n -> ... n", residuals={"cos": "... n"}):
@@ -197,7 +200,7 @@ class MulTwin(_Twin):
 
 class TanhTwin(_Twin):
     def __call__(self, x):
-        return jnp.tanh(x)
+        return jnp.tanh((self.config[0] if self.config else 1.0) * x)
 
 
 class SinResTwin(_Twin):
@@ -275,7 +278,8 @@ def cotangent(out):
 
 def blend(carry, out):
     """A scan step's next carry: mixed with the step's first result where that has the
-    carry's shape and dtype (so the op's result flows into the next step)."""
+    carry's shape and dtype (so the op's result flows into the next step), squashed to
+    stay bounded for complex values too."""
     leaf = jax.tree.leaves(out)[0]
     if leaf.shape != carry.shape or leaf.dtype != carry.dtype:
         return 0.9 * carry
@@ -283,7 +287,7 @@ def blend(carry, out):
     if jax.typeof(leaf).sharding.spec != want.spec:
         # Under Explicit axes a scan's carry keeps its type: reshard as a user would.
         leaf = jax.sharding.reshard(leaf, want)
-    return 0.5 * carry + 0.25 * jnp.sin(leaf)
+    return 0.5 * carry + 0.25 * leaf / (1 + jnp.abs(leaf))
 
 
 # ---------------------------------------------------------------------------------------
