@@ -12,6 +12,9 @@ Everything version-specific is imported or shimmed here, for every JAX from
 - :data:`EXPLICIT_REDUCTIONS`: a ``psum`` inside a per-shard function over
   Explicit mesh axes (XLA fails on it before JAX 0.9).
 
+Values differ too: :func:`plain_values` gives traceable rules arrays where
+JAX >= 0.7 holds constants as its own literal types.
+
 Example:
     >>> from jaxdecl import _compat
     >>> isinstance(_compat.JAX_VERSION, tuple)
@@ -24,6 +27,7 @@ import contextlib
 import inspect
 
 import jax
+import numpy as np
 from jax._src import core as _core
 from jax._src.lib.mlir import ir
 from jax.interpreters import ad, batching, mlir
@@ -58,6 +62,7 @@ __all__ = [
     "sdy_rule_attribute", "reshape", "ShapedArray", "context_mesh", "outside_context_mesh",
     "ShardingTypeError", "ShardingContext", "NamedSharding", "P", "psum", "custom_partitioning",
     "sdy", "requires_devices_when_lowering", "vma_of", "insert_reshards", "sharded_aval",
+    "plain_values",
 ]
 
 # --- sharding -----------------------------------------------------------------------------
@@ -173,6 +178,44 @@ def hold_weakly_in_caches(cls) -> None:
         util.weakref_cache_key_types.add(cls)
     except (ImportError, AttributeError):  # pragma: no cover - other jax versions
         pass
+
+
+# --- values a traceable rule receives ------------------------------------------------------
+def _literal_types() -> tuple:
+    try:  # JAX >= 0.7
+        from jax._src import literals
+    except ImportError:  # JAX 0.6: constants are NumPy or JAX arrays
+        return ()
+    names = ("LiteralArray", "LiteralInt", "LiteralFloat", "LiteralComplex",  # JAX 0.7
+             "TypedNdArray", "TypedInt", "TypedFloat", "TypedComplex")  # JAX >= 0.8
+    return tuple(t for t in (getattr(literals, n, None) for n in names) if isinstance(t, type))
+
+
+_LITERAL_TYPES = _literal_types()
+
+
+def _ordinary_array(value):
+    from jax._src.lax import lax as lax_internal
+
+    aval = jax.typeof(value)
+    return lax_internal._convert_element_type(
+        np.asarray(value), jax.dtypes.canonicalize_dtype(aval.dtype), aval.weak_type)
+
+
+def plain_values(values) -> list:
+    """`values` with JAX's constant literals turned into ordinary arrays of the same type.
+
+    From JAX 0.7 a constant that a traced program holds reaches a primitive's
+    rules as JAX's own host-side literal (``LiteralArray`` in 0.7,
+    ``TypedNdArray`` from 0.8, or a scalar subclass of ``int``/``float``/
+    ``complex``). It has only some of an array's operators (0.7's lacks ``**``,
+    0.8's unary minus), and from 0.8 its arithmetic yields NumPy arrays
+    (float64 cotangents for float32 inputs without x64). A traceable rule gets
+    a JAX array of the literal's dtype and weak type instead, as on JAX 0.6.
+    """
+    if not _LITERAL_TYPES:
+        return list(values)
+    return [_ordinary_array(v) if isinstance(v, _LITERAL_TYPES) else v for v in values]
 
 
 def float0_zero(aval) -> Zero:

@@ -51,7 +51,7 @@ from collections.abc import Callable, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from . import _kernels, _structure
+from . import _compat, _kernels, _structure
 from ._cfunction import CFunction
 from ._errors import DeclarationError, RuleError
 from ._layout import OPERANDS, RESULTS, RuleIO
@@ -292,6 +292,7 @@ def traceable_rule(function, io: RuleIO, context: str):
     keywords = io.keywords
 
     def evaluate(*operands):
+        operands = _compat.plain_values(operands)
         returned = function(*_structure.pack(io.args, operands),
                             **_keyword_values(keywords, operands, None))
         flat = _structure.unpack(io, returned, context)

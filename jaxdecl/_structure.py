@@ -27,6 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from . import _compat
 from ._errors import RuleError
 from ._layout import RuleIO
 
@@ -180,6 +181,7 @@ def structured_rule(function, io: RuleIO, zero_copy: bool, context: str, n_head:
 def traceable_rule(function, io: RuleIO, context: str):
     """A traceable rule as ``f(*flat operands) -> list of flat results``, zeros filled."""
     def evaluate(*operands):
+        operands = _compat.plain_values(operands)
         if not io.structured:
             result = function(*operands)
             flat = list(result) if isinstance(result, (tuple, list)) else [result]

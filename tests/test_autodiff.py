@@ -374,6 +374,49 @@ def test_hessian_of_numpy_rules_names_traceable():
         jax.hessian(lambda a: jnp.sum(MulNumpy()(a, a)))(a)
 
 
+class OperandTypes(jd.Primitive):
+    """x1 * x2**2 with traceable rules recording the types of what they receive."""
+
+    seen: ClassVar[set] = set()
+
+    @jd.abstract
+    def shapes(self, x1, x2):
+        return _same(x1)
+
+    @jd.forward
+    def apply(self, x1, x2):
+        return x1 * x2**2
+
+    @jd.jvp(traceable=True)
+    def push(self, x1, x2, dx1, dx2):
+        type(self).seen.update(type(v) for v in (x1, x2, dx1, dx2))
+        return x2**2 * dx1 + 2 * x1 * x2 * dx2
+
+    @jd.vjp(traceable=True)
+    def pull(self, x1, x2, ct):
+        type(self).seen.update(type(v) for v in (x1, x2, ct))
+        return -(-(x2**2) * ct), 2 * x1 * x2 * ct
+
+
+def test_traceable_rules_receive_arrays_not_jax_literals():
+    """Constants of a traced program reach traceable rules as arrays.
+
+    From JAX 0.7 JAX holds them as its own literal types, which lack some of an
+    array's operators (``**`` in 0.7, unary minus in 0.8).
+    """
+    op, a, b = OperandTypes(), np.arange(1.0, 4.0), np.ones(3)
+    OperandTypes.seen.clear()
+    _, pullback = jax.vjp(op, a, b)
+    ct_a, ct_b = pullback(np.ones(3))
+    _, tangent = jax.jvp(jax.grad(lambda a: op(a, b).sum()), (a,), (a,))
+    np.testing.assert_allclose(ct_a, b**2)
+    np.testing.assert_allclose(ct_b, 2 * a * b)
+    np.testing.assert_allclose(tangent, 0 * a)
+    odd = {t for t in OperandTypes.seen
+           if t is not np.ndarray and not issubclass(t, (jax.Array, jax.core.Tracer))}
+    assert not odd, odd
+
+
 # ---------------------------------------------------------------------------
 # Symbolic zeros reach NumPy rules as real zero arrays
 # ---------------------------------------------------------------------------
