@@ -336,8 +336,30 @@ def transpose_rule(cts, *operands, equation):
         else:
             raise ValueError(f"{spec.name}: a multilinear transpose was transposed in "
                              f"{len(undefined)} operands at once")
-    return [_fit(c, _operand_aval(operands[k])) if k in undefined else None
-            for k, c in enumerate(out_cts)]
+    return [_typed_like(_fit(c, _operand_aval(operands[k])), _operand_aval(operands[k]))
+            if k in undefined else None for k, c in enumerate(out_cts)]
+
+
+def _typed_like(ct, aval):
+    """`ct` with its primal's sharding type (Explicit axes), as JAX requires of cotangents.
+
+    A rule's result is typed by its plan (a transpose knows its operands, not the
+    primal it stands for): where the primal's type says otherwise, reshard to it.
+    """
+    if ct is None or _is_zero(ct):
+        return ct
+    have = getattr(getattr(ct, "aval", None), "sharding", None)
+    if have is None or getattr(have.mesh, "empty", True) or \
+            not _compat.has_explicit_axes(have.mesh):
+        return ct
+    want = getattr(aval, "sharding", None)
+    # A primal with no mesh in its type (an unsharded input) has a whole cotangent.
+    spec = tuple(want.spec) if want is not None and not getattr(want.mesh, "empty", True) \
+        else ()
+    spec += (None,) * (len(ct.shape) - len(spec))
+    if tuple(have.spec) + (None,) * (len(ct.shape) - len(have.spec)) == spec:
+        return ct
+    return _compat.reshard(ct, _compat.P(*spec))
 
 
 _compat.ad.primitive_jvps[jaxdecl_p] = jvp_rule
