@@ -242,8 +242,7 @@ def _one_device(eqn, operands, mesh, specs, single, rebuild):
     if mesh is not None:
         whole = [(None,) * len(s) for s, _ in eqn.out_avals()]
         per_result = _plan.result_specs(eqn, _plan.Plan({}, (), tuple(whole), ()),
-                                        specs or [spec for spec in map(_plan.spec_of,
-                                                                       operands)])
+                                        specs or [_plan.spec_of(x) for x in operands])
         placements = [_compat.NamedSharding(mesh, _compat.P(*s)) for s in per_result]
 
     def run_whole(values):

@@ -96,17 +96,18 @@ def lower(ctx, *args, equation):
     mesh, devices = _program_mesh(ctx)
     explicit = mesh is not None and _compat.has_explicit_axes(mesh)
     facts = dict(devices=devices, declared=eqn.declared, explicit=explicit)
-    factors = None
+    factors, rank = None, 0
     if devices > 1 and not explicit:
         factors = eqn.factors(in_shapes)
-        facts["elementwise"] = bool(_plan.split_rank(factors, devices, eqn.looped))
+        rank = _plan.split_rank(factors, devices, eqn.looped)
+        facts["elementwise"] = bool(rank)
     strategy = _strategy.choose(_strategy.facts(**facts))
     if strategy is Strategy.DIRECT:
         if devices > 1 and eqn.declared:
             _warn_cannot_split(eqn.name)
         return lower_direct(ctx, args, eqn, in_shapes)
     if strategy is Strategy.SPLIT:
-        return lower_split(ctx, args, eqn, factors, devices)
+        return lower_split(ctx, args, eqn, factors, devices, rank)
     if strategy is Strategy.PARTITIONED:
         return lower_partitioned(ctx, args, eqn, factors)
     return lower_per_shard_map(ctx, args, eqn, mesh)
@@ -142,8 +143,9 @@ def _warn_cannot_split(name: str) -> None:
         f"every device runs the rule on the whole arrays", RuntimeWarning, stacklevel=2)
 
 
-def lower_split(ctx, args, eqn, factors, devices: int):
-    """One custom call that XLA's batch partitioner splits (see the module docstring).
+def lower_split(ctx, args, eqn, factors, devices: int, rank: int):
+    """One custom call that XLA's batch partitioner splits over its leading `rank` dims
+    (:func:`jaxdecl._plan.split_rank`; see the module docstring).
 
     The call is the single-device one (same kernel) with a trailing unit dim on
     every operand and result: XLA's batch partitioner splits only dims in front
@@ -152,7 +154,6 @@ def lower_split(ctx, args, eqn, factors, devices: int):
     the program compiles about as fast as one of JAX's own ops, and its
     persistent-cache entry is reusable.
     """
-    rank = _plan.split_rank(factors, devices, eqn.looped)
     in_shapes = tuple(tuple(a.shape) for a in ctx.avals_in)
     checked = (eqn.key, devices)  # every rule's shapes follow @abstract's
     if checked not in eqn.op.handle.split_checked:

@@ -29,11 +29,9 @@ import numpy as np
 from jax.core import ShapedArray
 
 from . import _compat, _eager, _lowering, _plan, _strategy
-from ._equation import bind, jaxdecl_p
+from ._equation import jaxdecl_p
 from ._lowering import broadcast_vmapped, mesh_of
 from ._strategy import Strategy
-
-__all__ = ["jaxdecl_p", "bind", "broadcast_vmapped"]
 
 
 def _impl(*args, equation):
