@@ -65,24 +65,92 @@ void ReleaseLater(std::initializer_list<PyObject*> objects, KernelPtr kernel) {
   }
 }
 
-// Finds a live registration for the site's fingerprint and pins its op.
-// GIL held.  False (site unchanged) when this process has none.
+PyObject* resolver = nullptr;  // recipe (bytes) -> (slot, op instance or None)
+
+// A strong reference to the instance `kernel` calls: null for a kernel that
+// calls none; false when that instance is gone.
+bool PinOf(const Kernel& kernel, PyObject** pin) {
+  *pin = nullptr;
+  if (kernel.instance_ref == nullptr) return true;
+#if PY_VERSION_HEX >= 0x030D0000
+  if (PyWeakref_GetRef(kernel.instance_ref, pin) <= 0) {
+    PyErr_Clear();
+    return false;
+  }
+#else
+  *pin = PyWeakref_GetObject(kernel.instance_ref);
+  if (*pin == Py_None) return false;
+  Py_INCREF(*pin);
+#endif
+  return true;
+}
+
+// The text of the pending Python exception ("Type: message"); clears it.
+std::string TakePythonError() {
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  PyErr_NormalizeException(&type, &value, &traceback);
+  std::string text = "an unknown error";
+  if (value != nullptr) {
+    PyObject* name = PyObject_GetAttrString(type, "__name__");
+    PyObject* message = PyObject_Str(value);
+    if (name != nullptr && message != nullptr) {
+      const char* n = PyUnicode_AsUTF8(name);
+      const char* m = PyUnicode_AsUTF8(message);
+      if (n != nullptr && m != nullptr) text = std::string(n) + ": " + m;
+    }
+    Py_XDECREF(name);
+    Py_XDECREF(message);
+  }
+  Py_XDECREF(type);
+  Py_XDECREF(value);
+  Py_XDECREF(traceback);
+  PyErr_Clear();
+  return text;
+}
+
+// Rebuilds the site's kernel from its recipe through the Python resolver.
+// GIL held.  On failure the site's `failure` says why.
+bool RebuildWithGil(CallSite& site, KernelPtr* kernel, PyObject** pin) {
+  if (site.recipe.empty() || resolver == nullptr || !site.failure.empty()) return false;
+  PyObject* recipe = PyBytes_FromStringAndSize(
+      site.recipe.data(), static_cast<Py_ssize_t>(site.recipe.size()));
+  PyObject* result =
+      recipe == nullptr ? nullptr : PyObject_CallFunctionObjArgs(resolver, recipe, nullptr);
+  Py_XDECREF(recipe);
+  if (result == nullptr) {
+    site.failure = TakePythonError();
+    return false;
+  }
+  long long slot = -1;
+  PyObject* instance = nullptr;
+  if (!PyArg_ParseTuple(result, "LO", &slot, &instance)) {
+    Py_DECREF(result);
+    site.failure = TakePythonError();
+    return false;
+  }
+  *kernel = FindBySlot(slot);
+  *pin = instance == Py_None ? nullptr : instance;
+  Py_XINCREF(*pin);
+  Py_DECREF(result);
+  if (*kernel == nullptr) {
+    Py_XDECREF(*pin);
+    *pin = nullptr;
+    site.failure = "the rebuilt kernel was released before it was used";
+    return false;
+  }
+  return true;
+}
+
+// Finds a live registration for the site's fingerprint and pins its op, or
+// rebuilds one from the recipe.  GIL held.  False (site unchanged) when this
+// process has neither.
 bool ResolveWithGil(CallSite& site) {
   if (site.resolved.load(std::memory_order_acquire)) return true;
   KernelPtr kernel = FindLiveByFingerprint(site.fingerprint);
-  if (kernel == nullptr) return false;
   PyObject* pin = nullptr;
-  if (kernel->instance_ref != nullptr) {
-#if PY_VERSION_HEX >= 0x030D0000
-    if (PyWeakref_GetRef(kernel->instance_ref, &pin) <= 0) {
-      PyErr_Clear();
-      return false;
-    }
-#else
-    pin = PyWeakref_GetObject(kernel->instance_ref);
-    if (pin == Py_None) return false;
-    Py_INCREF(pin);
-#endif
+  if (kernel == nullptr || !PinOf(*kernel, &pin)) {
+    if (!RebuildWithGil(site, &kernel, &pin)) return false;
   }
   site.kernel = std::move(kernel);
   site.pin = pin;
@@ -124,6 +192,10 @@ bool ResolveNow(CallSite& site) {
 }
 
 std::string NotAvailable(const CallSite& site) {
+  if (!site.failure.empty()) {
+    return "jaxdecl: " + site.name + " (kernel " + Hex(site.fingerprint) +
+           ") could not be rebuilt in this process: " + site.failure;
+  }
   return "jaxdecl: " + site.name + " (kernel " + Hex(site.fingerprint) +
          ") is not available in this process. This executable was compiled, "
          "cached or serialized where the op existed; create an equal op here "
@@ -136,12 +208,17 @@ namespace {
 // A kernel this process does not have yet is looked up again when the site
 // first runs (see Resolve).
 ffi::Error JaxdeclInstantiateImpl(StateAccess access, int64_t hi, int64_t lo,
-                                  std::string_view name) {
+                                  std::string_view name, std::string_view recipe) {
   auto site = std::make_unique<CallSite>();
   ++CallSite::live_call_sites;
   site->fingerprint = {static_cast<uint64_t>(hi), static_cast<uint64_t>(lo)};
   site->name = std::string(name);
-  Resolve(*site);
+  site->recipe = std::string(recipe);
+  if (!Resolve(*site) && !site->failure.empty()) {
+    // The recipe names an op this process cannot rebuild: say so now, while
+    // XLA loads the program, rather than at its first run.
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, NotAvailable(*site));
+  }
   XLA_FFI_Error* error = SetState(access, &CallSite::id, site.get(), &DeleteCallSite);
   if (error != nullptr) {
     DestroyError(access.api, error);
@@ -159,6 +236,13 @@ ffi::Error JaxdeclInstantiateImpl(StateAccess access, int64_t hi, int64_t lo,
 int64_t CallSiteCount() { return CallSite::live_call_sites.load(); }
 
 void ReleasePending() { ReleaseGraveyard(nullptr); }
+
+void SetResolver(PyObject* function) {
+  Py_XINCREF(function);
+  PyObject* old = resolver;
+  resolver = function;
+  Py_XDECREF(old);
+}
 
 void* CallSiteTypeId() { return &CallSite::id; }
 

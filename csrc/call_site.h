@@ -39,6 +39,11 @@ struct CallSite {
   static XLA_FFI_TypeId id;  // assigned when the type is registered with XLA
   Fingerprint fingerprint;
   std::string name;
+  // What any process needs to rebuild the kernel (jaxdecl/_recipes.py), or
+  // empty for an op that cannot be rebuilt elsewhere.
+  std::string recipe;
+  // Why rebuilding from the recipe failed (set once, under the GIL).
+  std::string failure;
   // Set once, under the GIL; read without it once `resolved` is true.
   std::atomic<bool> resolved{false};
   KernelPtr kernel;
@@ -50,8 +55,9 @@ struct CallSite {
   static std::atomic<int64_t> live_call_sites;
 };
 
-// Looks the site's kernel up now, taking the GIL: false (site unchanged)
-// when this process has no live registration for its fingerprint.
+// Looks the site's kernel up now, taking the GIL: a live registration of its
+// fingerprint, else one rebuilt from its recipe.  False (the site's
+// `failure` says why, when a rebuild failed) when neither is possible.
 bool ResolveNow(CallSite& site);
 
 // True once the site has its kernel.  A kernel this process did not have at
@@ -78,7 +84,8 @@ auto BindCallSite() {
       .template Ctx<StateAccess>()               // the call site's state
       .template Attr<int64_t>("fingerprint_hi")  // which kernel: a stable fingerprint
       .template Attr<int64_t>("fingerprint_lo")
-      .template Attr<std::string_view>("name");  // Class.method, for messages
+      .template Attr<std::string_view>("name")   // Class.method, for messages
+      .template Attr<std::string_view>("recipe");  // how to rebuild it anywhere
 }
 
 }  // namespace jaxdecl

@@ -62,7 +62,7 @@ ffi::Error ExecuteSite(StateAccess access, ffi::RemainingArgs args,
 }
 
 ffi::Error JaxdeclDispatchImpl(StateAccess access, int64_t, int64_t,
-                               std::string_view, ffi::RemainingArgs args,
+                               std::string_view, std::string_view, ffi::RemainingArgs args,
                                ffi::RemainingRets rets) {
   return ExecuteSite(access, args, rets, /*drop=*/0);
 }
@@ -73,7 +73,8 @@ ffi::Error JaxdeclDispatchImpl(StateAccess access, int64_t, int64_t,
 // that has nothing but batch dimensions whole).  The rule's views leave that
 // unit dimension out.
 ffi::Error JaxdeclDispatchSplitImpl(StateAccess access, int64_t, int64_t,
-                                    std::string_view, ffi::RemainingArgs args,
+                                    std::string_view, std::string_view,
+                                    ffi::RemainingArgs args,
                                     ffi::RemainingRets rets) {
   return ExecuteSite(access, args, rets, /*drop=*/1);
 }

@@ -151,6 +151,12 @@ PYBIND11_MODULE(_dispatch, m) {
   }, py::arg("enter"), py::arg("exit"),
         "Hooks run around kernels on XLA worker threads: enter() -> token, exit(token).");
 
+  m.def("set_resolver", [](py::object resolver) {
+    jaxdecl::SetResolver(resolver.is_none() ? nullptr : resolver.ptr());
+  }, py::arg("resolver"),
+        "The callable that rebuilds a compiled call site's kernel from its recipe: "
+        "resolver(recipe: bytes) -> (slot, op instance or None).");
+
   m.def("element_types", &ElementTypes, "XLA element type codes by NumPy dtype name.");
   m.def("kernel_count", &jaxdecl::KernelCount, "How many kernels are registered now.");
   m.def("release_pending", &jaxdecl::ReleasePending,

@@ -85,6 +85,10 @@ int64_t CallSiteCount();
 // safe point (their op instances and views).  GIL held.
 void ReleasePending();
 
+// The Python callable that rebuilds a call site's kernel from its recipe:
+// resolver(recipe: bytes) -> (slot, op instance or None).  Null: none.
+void SetResolver(PyObject* function);
+
 // The FFI type of the call-site state (its TypeId, filled in when the type
 // is registered with XLA, and its XLA_FFI_TypeInfo), for jax.ffi.
 void* CallSiteTypeId();

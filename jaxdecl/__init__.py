@@ -23,11 +23,19 @@ import os as _os
 
 from . import _autodiff, _batching, _primitive  # noqa: F401 - register their rules on the primitive
 from . import _compat as _compat
+from . import _runtime as _runtime
 from ._cfunction import CFunction, cfunction, include_dir
 from ._check import check
 from ._declare import Primitive, PrimitiveMeta, primitive
 from ._dtypes import SUPPORTED as _SUPPORTED
-from ._errors import BufferEscapeError, DeclarationError, MissingRuleError, RuleError
+from ._errors import (
+    BufferEscapeError,
+    DeclarationError,
+    ExportError,
+    MissingRuleError,
+    RuleError,
+)
+from ._recipes import disabled_checks
 from ._rules import (
     abstract,
     adjoint,
@@ -40,8 +48,11 @@ from ._rules import (
     vjp,
 )
 from ._sharding import ShardingRule
+from ._version import __version__ as __version__
 
-__version__ = "0.1.0"
+# The FFI targets exist from import on: a process that loads a saved program
+# before it calls any op finds jaxdecl's handlers (no backend is started).
+_runtime.setup_dispatcher()
 
 #: The dtypes an op accepts and produces, by NumPy name (bool, signed and
 #: unsigned integers of 8 to 64 bits, float16, bfloat16 from ``ml_dtypes``,
@@ -56,5 +67,5 @@ __all__ = [
     "transpose", "adjoint", "batch", "sharding", "residuals", "ShardingRule", "check", "cfunction",
     "CFunction", "include_dir",
     "SUPPORTED_DTYPES", "DeclarationError",
-    "MissingRuleError", "RuleError", "BufferEscapeError",
+    "MissingRuleError", "RuleError", "BufferEscapeError", "ExportError", "disabled_checks",
 ]

@@ -251,16 +251,50 @@ def hide_frames(path: str) -> None:
 
 
 def register_ffi_state_type(name: str, registration: dict) -> None:
-    """Registers an FFI state type (``{"type_id": capsule, "type_info": capsule}``) on CPU.
+    """Registers an FFI state type (``{"type_id": capsule, "type_info": capsule}``) on CPU, now.
 
-    Newer jaxlibs take the type's deleter with it (``register_ffi_type``);
-    older ones only its id (``register_ffi_type_id``).
+    XLA takes a type only before the handlers that use it, and a CPU client
+    that starts later registers JAX's queued handlers before its queued types:
+    so the type goes straight to XLA's process-wide registry, which needs no
+    client. Newer jaxlibs take the type's deleter with it
+    (``register_custom_type``); older ones only its id.
     """
-    register = getattr(jax.ffi, "register_ffi_type", None)
-    if register is not None:
-        register(name, registration, platform="cpu")
-    else:  # pragma: no cover - older jax
-        jax.ffi.register_ffi_type_id(name, registration["type_id"], platform="cpu")
+    from jaxlib import xla_client
+
+    xla_module = xla_client._xla
+    direct = getattr(xla_module, "register_custom_type", None)
+    if direct is not None:
+        direct(name, registration)
+        return
+    direct = getattr(xla_module, "register_custom_type_id", None)  # pragma: no cover - older
+    direct(name, registration["type_id"])  # pragma: no cover - older
+
+
+def _no_callback():
+    return None
+
+
+def serializable_partition_callbacks() -> None:
+    """Lets ``serialize_executable`` pickle programs that hold a ``custom_partitioning`` call.
+
+    JAX keeps each call's callback record (closures, the module context) alive
+    with the executable, and ``serialize_executable`` pickles what an
+    executable keeps alive. The record serves only the compiler's partitioner:
+    a compiled executable never calls it. So it pickles to nothing, the way
+    jaxdecl's own keep-alives do.
+    """
+    import copyreg
+
+    from jax._src import custom_partitioning
+
+    record = getattr(custom_partitioning, "_ShardingCallbackInfo", None)
+    if record is not None and record not in copyreg.dispatch_table:
+        copyreg.pickle(record, lambda _: (_no_callback, ()))
+
+
+def for_export(ctx) -> bool:
+    """The module is being lowered by ``jax.export`` (it must be serializable)."""
+    return bool(getattr(ctx.module_context.lowering_parameters, "for_export", False))
 
 
 def register_batch_partitionable(name: str) -> None:

@@ -17,7 +17,8 @@ import secrets
 import threading
 import traceback
 
-__all__ = ["DeclarationError", "RuleError", "BufferEscapeError", "MissingRuleError"]
+__all__ = ["DeclarationError", "RuleError", "BufferEscapeError", "MissingRuleError",
+           "ExportError"]
 
 
 class DeclarationError(TypeError):
@@ -111,6 +112,36 @@ class BufferEscapeError(RuntimeError):
         ... except jd.BufferEscapeError as error:
         ...     print(str(error).split(" after")[0])
         Leaky.apply (@forward) kept a reference to x
+    """
+
+
+class ExportError(TypeError):
+    """A program with this op cannot be saved, or a saved one cannot run here.
+
+    Raised by ``jax.export`` (through jaxdecl's lowering) for an op whose class
+    another process cannot find (defined inside a function, or in a script's
+    ``__main__``) or whose configuration has no saved form, naming the op, the
+    attribute and the fix. Loading a program whose ops' modules this process
+    has not imported, or one saved by an incompatible jaxdecl, fails with a
+    message naming the class and module, or both versions.
+
+    Example:
+        >>> import jax, jax.export, jax.numpy as jnp, jaxdecl as jd
+        >>> class Holder(jd.Primitive):
+        ...     def __init__(self):
+        ...         self.lock = object()  # no saved form
+        ...     @jd.abstract
+        ...     def shapes(self, x):
+        ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+        ...     @jd.forward
+        ...     def apply(self, x):
+        ...         return x
+        >>> try:
+        ...     jax.export.export(jax.jit(Holder()), disabled_checks=jd.disabled_checks())(
+        ...         jnp.ones(2))
+        ... except jd.ExportError as error:
+        ...     print(str(error).split(", which")[0])
+        jaxdecl cannot save Holder in an exported program: Holder.lock (attribute) holds a object
     """
 
 

@@ -66,7 +66,7 @@ def _weak_or_strong_key(instance, by_identity: bool):
 _slot_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # class -> names
 
 
-def _attributes(instance) -> dict | None:
+def attributes(instance) -> dict | None:
     """The instance's configuration: its ``__dict__`` and the ``__slots__`` it has set."""
     cls = type(instance)
     names = _slot_names.get(cls)
@@ -104,11 +104,11 @@ def config_key(instance):
     fingerprint; None when the op is keyed by identity.
     """
     cls = type(instance)
-    attributes = _attributes(instance)
+    values = attributes(instance)
     items = None
-    if attributes is not None:
+    if values is not None:
         # Typed, so that 1, 1.0 and True are different configurations.
-        items = tuple(sorted((name, type(value), value) for name, value in attributes.items()))
+        items = tuple(sorted((name, type(value), value) for name, value in values.items()))
         if any(getattr(value, "__self__", None) is instance for _, _, value in items):
             # A bound method of the op itself: a value key would hold the op for good.
             return _weak_or_strong_key(instance, True), None
@@ -160,7 +160,7 @@ def check_static(spec, instance) -> None:
     through ``eqx.filter_jit``, an op built from a traced value, a rule closing
     over one) cannot be read, and would fail later inside XLA.
     """
-    for name, value in (_attributes(instance) or {}).items():
+    for name, value in (attributes(instance) or {}).items():
         if _is_traced(value):
             raise TypeError(
                 f"{spec.name}: the op's configuration attribute {name!r} is a JAX tracer: "

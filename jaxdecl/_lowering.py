@@ -33,14 +33,12 @@ Example:
 from __future__ import annotations
 
 import functools
-import itertools
-import secrets
 import warnings
 
 import jax
 import numpy as np
 
-from . import _compat, _plan, _runtime, _shardmap, _strategy
+from . import _compat, _fingerprint, _plan, _recipes, _runtime, _shardmap, _strategy
 from ._equation import bind
 from ._strategy import Strategy
 
@@ -109,20 +107,37 @@ def lower(ctx, *args, equation):
     if strategy is Strategy.SPLIT:
         return lower_split(ctx, args, eqn, factors, devices, rank)
     if strategy is Strategy.PARTITIONED:
+        if _compat.for_export(ctx):
+            # An exported program carries no partitioning callback: the split is
+            # planned now, from the declaration alone, as a per-shard map.
+            return lower_per_shard_map(ctx, args, eqn, mesh, proposed=True)
         return lower_partitioned(ctx, args, eqn, factors)
     return lower_per_shard_map(ctx, args, eqn, mesh)
 
 
-def lower_direct(ctx, args, eqn, in_shapes):
-    """One custom call of the kernel; the HLO names it by fingerprint alone."""
+def _call_site(ctx, eqn, in_shapes) -> dict:
+    """The attributes naming the kernel of `eqn` at `in_shapes`: fingerprint, name and
+    recipe (:mod:`jaxdecl._recipes`), so that any process can find or rebuild it.
+
+    Outside ``jax.export`` the Python executable also keeps the kernel
+    registered until XLA has instantiated the program, whose call site then
+    holds the kernel and its op (see _runtime): the common in-process case
+    needs no rebuild. An exported module may carry no such keep-alive (JAX
+    refuses to serialize one), and needs a recipe.
+    """
     kernel, pin = eqn.kernel(in_shapes)
-    # The Python executable keeps the kernel registered until XLA has
-    # instantiated the program, whose call site then holds the kernel and its
-    # op (see _runtime).
-    ctx.module_context.add_keepalive(_runtime.KeepAlive(kernel, pin))
+    exporting = _compat.for_export(ctx)
+    recipe = _recipes.recipe(eqn, in_shapes, required=exporting)
+    if not exporting:
+        ctx.module_context.add_keepalive(_runtime.KeepAlive(kernel, pin))
     hi, lo = kernel.fingerprint
-    return _ffi_lowering(ctx, *args, fingerprint_hi=np.int64(hi), fingerprint_lo=np.int64(lo),
-                         name=kernel.name)
+    return dict(fingerprint_hi=np.int64(hi), fingerprint_lo=np.int64(lo), name=kernel.name,
+                recipe=recipe)
+
+
+def lower_direct(ctx, args, eqn, in_shapes):
+    """One custom call of the kernel (see :func:`_call_site`)."""
+    return _ffi_lowering(ctx, *args, **_call_site(ctx, eqn, in_shapes))
 
 
 _ffi_lowering = jax.ffi.ffi_lowering(_runtime.TARGET, has_side_effect=False)
@@ -164,8 +179,7 @@ def lower_split(ctx, args, eqn, factors, devices: int, rank: int):
                             result_specs=(), summed=())
         _plan.local_equation(eqn, factors, finest, {"all": devices}, in_shapes)
         eqn.op.handle.split_checked.add(checked)
-    kernel, pin = eqn.kernel(in_shapes)
-    ctx.module_context.add_keepalive(_runtime.KeepAlive(kernel, pin))
+    site = _call_site(ctx, eqn, in_shapes)
 
     def with_unit(aval):
         return _compat.ShapedArray(tuple(aval.shape) + (1,), aval.dtype)
@@ -180,10 +194,8 @@ def lower_split(ctx, args, eqn, factors, devices: int, rank: int):
     }
     call = jax.ffi.ffi_lowering(_runtime.SPLIT_TARGET, has_side_effect=False,
                                 extra_attributes=attributes)
-    hi, lo = kernel.fingerprint
     outs = call(ctx.replace(avals_in=operands, avals_out=results),
-                *(_compat.reshape(ctx, x, a) for x, a in zip(args, operands)),
-                fingerprint_hi=np.int64(hi), fingerprint_lo=np.int64(lo), name=kernel.name)
+                *(_compat.reshape(ctx, x, a) for x, a in zip(args, operands)), **site)
     return [_compat.reshape(ctx, o, a) for o, a in zip(outs, ctx.avals_out)]
 
 
@@ -213,8 +225,8 @@ def lower_partitioned(ctx, args, eqn, factors):
     """A ``custom_partitioning`` call: XLA's callback plans the split at compile time."""
     held = _Held()
     ctx.module_context.add_keepalive(held)
-    _mark_unique(ctx.module_context.module)
     operand_shapes = [tuple(a.shape) for a in ctx.avals_in]
+    _mark_partitioned(ctx.module_context.module, eqn, tuple(operand_shapes))
     what = f"{eqn.name} ({eqn.rule})"
 
     def partition(mesh, arg_shapes, result_shape):
@@ -249,38 +261,49 @@ def lower_partitioned(ctx, args, eqn, factors):
         ctx, *args)
 
 
-_lowerings = itertools.count()
-_PROCESS = secrets.token_hex(8)
+_compat.serializable_partition_callbacks()
+def _mark_partitioned(module, eqn, in_shapes) -> None:
+    """Names in the program which equations its ``custom_partitioning`` calls split.
 
-
-def _mark_unique(module) -> None:
-    """Makes the program's persistent-cache key unique to this lowering.
-
-    Per-shard kernels are built by the partition callback, which XLA runs only
-    when it compiles. A program loaded from the persistent cache instead (its
-    HLO can repeat exactly: ``custom_partitioning`` names its callback by an
-    ``id()`` that Python reuses, or JAX drops it from the key) would call
-    kernels this process never built. So these programs never share a cache
-    entry: each compiles and registers its kernels.
+    ``custom_partitioning`` names its callback by an ``id()`` that Python
+    reuses, and its call carries nothing else of the op; its per-shard kernels
+    are built by the callback, which only a compilation runs. So the program's
+    persistent-cache key must say which ops it splits: the kernel fingerprints
+    of the whole equations (configuration, rule, shapes), which repeat exactly
+    in another process, when their kernels have recipes (a program loaded from
+    the cache rebuilds its per-shard kernels from them); else a token unique to
+    this lowering, so that such a program never comes from the cache.
     """
+    if _recipes.recipe(eqn, in_shapes, required=False):
+        hi, lo = eqn.op.handle.kernel_fingerprint(eqn.rule, eqn.wrt, eqn.primals, eqn.batch,
+                                                  in_shapes)
+        token = f"{hi & (2**64 - 1):016x}{lo & (2**64 - 1):016x}"
+    else:
+        token = _fingerprint.process_unique()
     with module.context:
-        module.operation.attributes["jaxdecl.lowering"] = _compat.ir.StringAttr.get(
-            f"{_PROCESS}-{next(_lowerings)}")
+        attributes = module.operation.attributes
+        name = "jaxdecl.partitioned"
+        before = attributes[name].value + "," if name in attributes else ""
+        attributes[name] = _compat.ir.StringAttr.get(before + token)
 
 
-def lower_per_shard_map(ctx, args, eqn, mesh):
-    """Over Explicit axes: a ``shard_map`` of the rule, the plan read from the types.
+def lower_per_shard_map(ctx, args, eqn, mesh, proposed: bool = False):
+    """A ``shard_map`` of the rule: over Explicit axes the plan is read from the types;
+    `proposed` (an exported program over Auto axes) plans it from the declaration
+    (:func:`jaxdecl._plan.proposal`), and XLA moves the operands there.
 
     No ``custom_partitioning`` callback is needed, which keeps compile time near
-    that of JAX's own ops and the program cacheable.
+    that of JAX's own ops and the program cacheable and exportable.
     """
     in_shapes = tuple(tuple(a.shape) for a in ctx.avals_in)
-    specs = [_plan.spec_of(a) for a in ctx.avals_in]
     axis_sizes = dict(mesh.shape)
     factors = eqn.factors(in_shapes)
-    p = _plan.plan_for(eqn, factors, specs, axis_sizes, explicit=True)
+    specs = (_plan.proposal(factors, axis_sizes) if proposed
+             else [_plan.spec_of(a) for a in ctx.avals_in])
+    p = _plan.plan_for(eqn, factors, specs, axis_sizes, explicit=not proposed)
     shard, _ = _plan.local_equation(eqn, factors, p, axis_sizes, in_shapes)
+    want = p.result_specs if proposed else [_plan.spec_of(a) for a in ctx.avals_out]
     whole = _shardmap.build(lambda *blocks: bind(shard, blocks), mesh, p,
                             out_avals=shard.out_avals(), once=not eqn.declared, have=specs,
-                            want=[_plan.spec_of(a) for a in ctx.avals_out], explicit=True)
+                            want=want, explicit=not proposed)
     return _compat.mlir.lower_fun(whole, multiple_results=True)(ctx, *args)

@@ -81,6 +81,7 @@ class OpHandle:
         self.sharded_calls: dict = {}  # see _eager.sharded_call -> _eager.Call
         self.gather_warned: set = set()  # equations warned about (see _plan.warn_gathers)
         self.split_checked: set = set()  # equations whose split @abstract agrees (lower_split)
+        self.saved = None  # (class path, saved configuration), see _recipes.configuration
 
     def __repr__(self) -> str:
         return self.spec.name
@@ -162,13 +163,16 @@ class OpHandle:
                     pin = kernel.pin()
         return kernel, pin
 
+    def kernel_fingerprint(self, rule, wrt, primals, batch, in_shapes) -> tuple:
+        """What compiled HLO names the kernel of `rule` at these shapes by."""
+        return _fingerprint.digest(_KERNEL_ABI, self.fingerprint, rule, str(wrt),
+                                   repr(primals), repr(batch), repr(in_shapes))
+
     def _build_kernel(self, instance, rule, wrt, primals, batch, in_shapes):
         spec = self.spec
         user = self.user_rule(rule, wrt)
         name = f"{spec.name}.{user.name} (@{user.kind})"
-        fingerprint = _fingerprint.digest(
-            _KERNEL_ABI, self.fingerprint, rule, str(wrt), repr(primals), repr(batch),
-            repr(in_shapes))
+        fingerprint = self.kernel_fingerprint(rule, wrt, primals, batch, in_shapes)
         looped = bool(batch) and spec.batch_mode == "loop"
         io = self.rule_io(primals, rule, wrt, instance)
         function, ref = _kernels.weak_binding(user, instance)

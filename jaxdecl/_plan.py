@@ -123,6 +123,36 @@ _WHY = {
 }
 
 
+def proposal(factors, axis_sizes: dict) -> list:
+    """Operand specs that split the equation as its factors allow, with no operands'
+    shardings to follow (a program exported over Auto axes).
+
+    Each mesh axis, in order, goes to the first factor it divides: factors the
+    results keep (no sum needed), the larger first, then summed ones (a psum).
+    Factors needed whole are never split.
+
+    Example:
+        >>> from jaxdecl._sharding import RuleFactors
+        >>> f = RuleFactors(operands=(("b", "k"), ("k",)), results=(("b",),),
+        ...                 replicate=frozenset(), sizes={"b": 8, "k": 6}, inputs=(), batch=())
+        >>> proposal(f, {"x": 2, "y": 3})
+        [('x', 'y'), ('y',)]
+    """
+    kept = set(itertools.chain.from_iterable(factors.results))
+    candidates = sorted(
+        {f for names in factors.operands for f in names if f not in factors.replicate},
+        key=lambda f: (f not in kept, -factors.sizes[f], f))
+    assigned: dict = {}
+    for axis, size in axis_sizes.items():
+        for factor in candidates:
+            split = math.prod(axis_sizes[a] for a in assigned.get(factor, ())) * size
+            if factors.sizes[factor] % split == 0:
+                assigned.setdefault(factor, ())
+                assigned[factor] += (axis,)
+                break
+    return [tuple(_entry(assigned.get(f, ())) for f in names) for names in factors.operands]
+
+
 def refusal(eqn, operand, dim, factor, why, axes) -> str:
     """The ShardingTypeError message for an input the op cannot take as sharded."""
     name = eqn.io.in_names[operand]

@@ -10,13 +10,18 @@ Who owns what (an arrow is a strong reference; ``~>`` a weak one)::
 
     op instance --anchor--> OpHandle --> Kernel (Python) --slot--> Kernel (C++)
     Kernel (C++) --> the kernel function --> rule ~> op instance
-    Python executable --keep-alive--> Kernel (Python), op instance
+    Python executable --keep-alive--> Kernel (Python), op instance (not when exported)
     XLA executable --> CallSite (C++) --> Kernel (C++), op instance
+    CallSite (C++), no live kernel --recipe--> op restored by _recipes.resolve
     eager call (blocks until done) --> op instance, Kernel (Python)
 
 - A registration (slot) lives while its Python :class:`Kernel` does: while an
   op of its configuration lives (the handle's cache) or a Python executable
   that lowered it does (a lowering keep-alive).
+- The registry is a cache that can always be refilled: a compiled call names
+  its kernel by fingerprint and carries its recipe (:mod:`jaxdecl._recipes`),
+  so a process that loads a program (``jax.export``, a serialized executable,
+  the persistent cache) and lacks the kernel rebuilds it, op included.
 - A compiled program resolves each of its kernels once, when XLA instantiates
   the executable (after compiling or loading it), into a ``CallSite`` that XLA
   owns: it holds the C++ kernel and the op instance the kernel calls, and XLA
@@ -29,9 +34,9 @@ Who owns what (an arrow is a strong reference; ``~>`` a weak one)::
 - Kernels refer to their op weakly, so an op is freed once no handle cache,
   executable or eager call needs it: memory is bounded by what is alive.
 - Split programs (``custom_partitioning``) build their per-shard kernels in
-  the partition callback, which only a compilation runs; their cache keys are
-  unique to one lowering (see :mod:`jaxdecl._lowering`), so a program loaded
-  from the persistent cache never calls kernels this process did not build.
+  the partition callback, which only a compilation runs; a program loaded from
+  the persistent cache instead rebuilds them from their recipes, and its cache
+  key names the ops it splits (see :mod:`jaxdecl._lowering`).
 
 Example:
     >>> from jaxdecl import _dispatch, _runtime
@@ -61,26 +66,23 @@ from ._cfunction import CFunction
 _DISPATCHER_READY = False
 
 
-def _setup_dispatcher() -> None:
+def setup_dispatcher() -> None:
     """Teaches the dispatcher NumPy's dtypes and registers the FFI targets, once.
 
-    Run before anything can compile or load a program that calls jaxdecl: when
-    the first kernel is registered, and when a serialized executable's
-    keep-alives are unpickled (a process that loads a program before it
-    creates its ops reaches jaxdecl's handler, whose error names the op).
+    Run at ``import jaxdecl``, so that a process that loads a saved program
+    before it creates any op finds the handlers. It starts no backend (a
+    program may still call ``jax.distributed.initialize`` or set the device
+    count after importing jaxdecl).
     """
     global _DISPATCHER_READY
     if _DISPATCHER_READY:
         return
-    # XLA takes FFI types only before the handlers that use them, and a CPU
-    # client registers queued handlers before queued types: start the client
-    # first, so that both are registered now, in order.
-    jax.devices("cpu")
     for name, code in _dispatch.element_types().items():
         _dispatch.set_dtype(code, _dtypes.numpy_dtype(name))
     _dispatch.set_worker_hooks(_compat.forbid_host_transfers, _compat.restore_host_transfers)
     _dispatch.set_collect(_release_stale_references)
-    # The state type first: the compiled target's instantiate stage creates it.
+    # The state type first (registered at once, not queued behind the handlers
+    # for the CPU client): the compiled target's instantiate stage creates it.
     _compat.register_ffi_state_type("jaxdecl_call_site", _dispatch.call_site_type())
     for target, handler in _dispatch.registrations().items():
         jax.ffi.register_ffi_target(target, handler, platform="cpu")
@@ -187,13 +189,13 @@ class KeepAlive:
 
 def _unpickled_keepalive() -> KeepAlive:
     """A loaded executable's keep-alive: readies the dispatcher before XLA loads it."""
-    _setup_dispatcher()
+    setup_dispatcher()
     return KeepAlive(None, None)
 
 
 def register(fingerprint: tuple, name: str, kernel, on_escape, instance_ref) -> Kernel:
     """Registers a host kernel; it stays registered while the returned Kernel lives."""
-    _setup_dispatcher()
+    setup_dispatcher()
     hi, lo = fingerprint
     slot = _dispatch.register_kernel(hi, lo, name, kernel, on_escape, instance_ref,
                                      getattr(kernel, "direct", None),
@@ -203,7 +205,7 @@ def register(fingerprint: tuple, name: str, kernel, on_escape, instance_ref) -> 
 
 def register_c(fingerprint: tuple, name: str, function: CFunction) -> Kernel:
     """Registers a :class:`~jaxdecl.CFunction`; XLA calls it without the GIL."""
-    _setup_dispatcher()
+    setup_dispatcher()
     hi, lo = fingerprint
     slot = _dispatch.register_c_kernel(hi, lo, name, function.address, function.keepalive)
     return Kernel(slot, fingerprint, name, None)

@@ -315,6 +315,19 @@ def _gathered(leaf):
     return np.asarray(leaf)
 
 
+#: Magnitudes beyond this (or inf/nan) in a twin's results: the program overflows.
+LARGEST = 1e30
+
+
+def out_of_range(expected) -> bool:
+    """The twin's results are not finite or beyond :data:`LARGEST`."""
+    for leaf in jax.tree.leaves(expected):
+        value = np.abs(_gathered(leaf))
+        if value.size and (not np.all(np.isfinite(value)) or float(value.max()) > LARGEST):
+            return True
+    return False
+
+
 def compare(out, expected, *, specs: bool, rtol: float = 1e-10) -> list:
     """How `out` differs from its twin's `expected` (empty: it does not).
 

@@ -63,8 +63,8 @@ def test_docs_have_examples_and_pages():
                  "coming-from-jaxbind.md", "coming-from-custom-vjp.md", "tutorials/index.md",
                  "ecosystem.md"]:
         assert page in names, page
-    for concept in ["declaring", "derivatives", "batching", "pytrees", "sharding", "residuals",
-                    "c-kernels", "errors-and-debugging", "performance"]:
+    for concept in ["declaring", "derivatives", "batching", "pytrees", "sharding", "saving",
+                    "residuals", "c-kernels", "errors-and-debugging", "performance"]:
         assert f"concepts/{concept}.md" in names, concept
 
 

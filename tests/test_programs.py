@@ -201,7 +201,6 @@ KNOWN_GAPS = {
     925: "as 800",
     952: "vmap of vjp of an undeclared op under Explicit axes and jax.set_mesh: 'Resource "
          "axis d not found in mesh ()'",
-    1263: "the program overflows complex128 (inf): the generator should bound its values",
 }
 
 

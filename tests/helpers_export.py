@@ -1,0 +1,144 @@
+"""Saves programs that call jaxdecl ops, or loads and runs them, in a fresh process.
+
+    python helpers_export.py save DIR DEVICES   # jax.export artifacts + serialized executables
+                                                # (DEVICES: 1, 4, or 4e: 4 over Explicit axes)
+    python helpers_export.py load DIR DEVICES   # imports ops_saved only; runs them; checks
+    python helpers_export.py cache DIR DEVICES  # the persistent compilation cache
+    python helpers_export.py bare DIR DEVICES   # loads without importing ops_saved: the error
+
+Prints ``{"checks": {...}}`` as its last line (see conftest.run_helper).
+"""
+
+import json
+import os
+import pickle
+import sys
+
+DEVICES = int(sys.argv[3].rstrip("e"))
+EXPLICIT = sys.argv[3].endswith("e")
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.export  # noqa: E402, F401 - (older JAX does not import it with jax)
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxdecl as jd  # noqa: E402
+from jaxdecl import _dispatch  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+MODE, DIR = sys.argv[1], sys.argv[2]
+
+
+def inputs():
+    x = jnp.linspace(0.1, 0.8, 8)
+    m = jnp.arange(32.0).reshape(8, 4) / 40
+    if DEVICES == 1:
+        return (x, m), None
+    shardings = (jax.NamedSharding(MESH, jax.P(None if EXPLICIT else "d")),
+                 jax.NamedSharding(MESH, jax.P("d", None)))
+    return tuple(jax.device_put(v, s) for v, s in zip((x, m), shardings)), shardings
+
+
+def functions(ops):
+    grad = jax.grad(ops.program, argnums=(0, 1))
+    return {
+        "forward": ops.program,
+        "grad": grad,
+        # vmap over a batch of x: the batch dim is the ops' own leading dim
+        "vmap": lambda x, m: jax.vmap(lambda row: ops.Weighted(ops.W)(row))(
+            jnp.stack([x, 2 * x])),
+    }
+
+
+def save():
+    import ops_saved
+
+    args, shardings = inputs()
+    for name, f in functions(ops_saved).items():
+        jitted = jax.jit(f, in_shardings=shardings)
+        exported = jax.export.export(jitted, disabled_checks=jd.disabled_checks())(*args)
+        with open(os.path.join(DIR, f"{name}.exported"), "wb") as file:
+            file.write(exported.serialize())
+        from jax.experimental import serialize_executable
+
+        compiled = jitted.lower(*args).compile()
+        with open(os.path.join(DIR, f"{name}.executable"), "wb") as file:
+            pickle.dump(serialize_executable.serialize(compiled), file)
+    return {"saved": True}
+
+
+def reference(name, x, m):
+    import ops_saved
+
+    twin = {"forward": ops_saved.twin, "grad": jax.grad(ops_saved.twin, argnums=(0, 1)),
+            "vmap": lambda x, m: jnp.asarray(ops_saved.W) * jnp.stack([x, 2 * x]) ** 2}[name]
+    return twin(x, m)
+
+
+def close(a, b) -> bool:
+    return all(np.allclose(np.asarray(u), np.asarray(v), rtol=1e-10, atol=1e-12)
+               for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+
+def load():
+    import ops_saved  # noqa: F401 - the user's module: the only import a saved program needs
+    from jax.experimental import serialize_executable
+
+    checks = {"kernels_before": _dispatch.kernel_count()}
+    args, _ = inputs()
+    for name in ("forward", "grad", "vmap"):
+        with open(os.path.join(DIR, f"{name}.exported"), "rb") as file:
+            exported = jax.export.deserialize(bytearray(file.read()))
+        got = exported.call(*args)
+        want = reference(name, *args)
+        checks[f"exported_{name}"] = close(got, want)
+        devices = {len(leaf.sharding.device_set) for leaf in jax.tree_util.tree_leaves(got)}
+        checks[f"exported_{name}_devices"] = sorted(devices)
+        with open(os.path.join(DIR, f"{name}.executable"), "rb") as file:
+            payload, in_tree, out_tree = pickle.load(file)
+        compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        checks[f"executable_{name}"] = close(compiled(*args), want)
+    return checks
+
+
+def bare():
+    """No `import ops_saved`: the program names the module to import."""
+    args, _ = inputs()
+    with open(os.path.join(DIR, "grad.exported"), "rb") as file:
+        exported = jax.export.deserialize(bytearray(file.read()))
+    try:
+        exported.call(*args)
+    except Exception as error:  # noqa: BLE001 - the message is what is checked
+        return {"type": type(error).__name__, "message": str(error).splitlines()[0]}
+    return {"type": None, "message": ""}
+
+
+def cache():
+    import ops_saved
+
+    hits = []
+    jax.monitoring.register_event_listener(
+        lambda event, **kwargs: hits.append(event) if "cache_hits" in event else None)
+    jax.config.update("jax_compilation_cache_dir", DIR)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    args, shardings = inputs()
+    f = jax.jit(jax.grad(ops_saved.program, argnums=(0, 1)), in_shardings=shardings)
+    got = f(*args)
+    return {"hits": len(hits), "right": close(got, reference("grad", *args))}
+
+
+if __name__ == "__main__":
+    MESH = None
+    if DEVICES > 1:
+        kind = jax.sharding.AxisType.Explicit if EXPLICIT else jax.sharding.AxisType.Auto
+        MESH = jax.make_mesh((DEVICES,), ("d",), axis_types=(kind,))
+    run = {"save": save, "load": load, "bare": bare, "cache": cache}[MODE]
+    if EXPLICIT:  # Explicit axes: the types carry the shardings, under the mesh
+        with jax.set_mesh(MESH):
+            result = run()
+    else:
+        result = run()
+    print(json.dumps({"checks": result}))
