@@ -117,15 +117,34 @@ std::string RunWithViews(const Kernel& kernel, const Call& call) {
   return error;
 }
 
+// True on one of XLA's worker threads: a thread Python had never seen when
+// it first ran a kernel (see g_worker_enter in registry.h's SetWorkerHooks).
+// Such a thread keeps a Python thread state from then on: creating and
+// destroying one per call (what PyGILState_Ensure/Release do on a thread
+// without one) costs far more than the call itself, and a kernel inside an
+// XLA loop runs there thousands of times.  GIL not held.
+bool OnWorkerThread() {
+  thread_local int kind = 0;  // 0: not known yet; 1: a Python thread; 2: a worker
+  if (kind == 0) {
+    kind = PyGILState_GetThisThreadState() == nullptr ? 2 : 1;
+    if (kind == 2) {
+      // Made here and never released: each later Ensure/Release pair only
+      // takes and drops the GIL.  XLA's worker threads live as long as the
+      // process; the interpreter clears the state at exit.
+      PyGILState_Ensure();
+      PyEval_SaveThread();
+    }
+  }
+  return kind == 2;
+}
+
 }  // namespace
 
 // `eager` calls come from the eager path, whose caller pins the op; compiled
 // call sites pin it themselves (see CallSite).
 std::string RunPythonKernel(const Kernel& kernel, const Call& call) {
   if (!Py_IsInitialized()) return "jaxdecl: the Python interpreter is gone";
-  // A thread Python has never seen is one of XLA's workers (see
-  // g_worker_enter in registry.h's SetWorkerHooks).
-  bool on_worker = PyGILState_GetThisThreadState() == nullptr;
+  bool on_worker = OnWorkerThread();
   PyGILState_STATE gil = PyGILState_Ensure();
   // A call site pins its op; an eager caller pins it too, but a slot can be
   // reused once released, so the eager path checks.

@@ -62,8 +62,12 @@ __all__ = [
     "sdy_rule_attribute", "reshape", "ShapedArray", "context_mesh", "outside_context_mesh",
     "ShardingTypeError", "ShardingContext", "NamedSharding", "P", "psum", "custom_partitioning",
     "sdy", "requires_devices_when_lowering", "vma_of", "insert_reshards", "sharded_aval",
-    "plain_values",
+    "plain_values", "ArrayImpl",
 ]
+
+#: The class of every concrete JAX array (jax.Array is its abstract base): a type
+#: check against it is the cheapest test for "a JAX array" on the eager path.
+from jax._src.array import ArrayImpl  # noqa: E402
 
 # --- sharding -----------------------------------------------------------------------------
 from jax._src.sharding_impls import ShardingContext  # noqa: E402
@@ -223,21 +227,40 @@ def float0_zero(aval) -> Zero:
     return Zero(aval.to_tangent_aval())
 
 
+try:  # the thread's transfer-guard level, as JAX's own context managers set it
+    from jax._src.lib import guard_lib as _guard_lib
+
+    _guard_state = _guard_lib.thread_local_state
+    _DISALLOW = _guard_lib.TransferGuardLevel.DISALLOW
+except (ImportError, AttributeError):  # pragma: no cover - another JAX layout
+    _guard_state = None
+
+
 def forbid_host_transfers():
     """Makes host-to-device transfers on this thread raise; returns a restore token.
 
     Used while a rule runs on one of XLA's own worker threads: a rule that calls
     JAX there waits on a computation that waits on the rule (a deadlock), so
-    the first transfer of a NumPy value into JAX fails instead.
+    the first transfer of a NumPy value into JAX fails instead. Called around
+    every such call, so it sets the level JAX's transfers read directly (what
+    ``jax.transfer_guard_host_to_device`` does, less a context manager).
     """
-    guard = jax.transfer_guard_host_to_device("disallow")
-    guard.__enter__()
-    return guard
+    if _guard_state is None:  # pragma: no cover - another JAX layout
+        guard = jax.transfer_guard_host_to_device("disallow")
+        guard.__enter__()
+        return guard
+    state = _guard_state()
+    previous = state.host_to_device
+    state.host_to_device = _DISALLOW
+    return previous
 
 
-def restore_host_transfers(guard) -> None:
+def restore_host_transfers(token) -> None:
     """Undoes :func:`forbid_host_transfers`."""
-    guard.__exit__(None, None, None)
+    if _guard_state is None:  # pragma: no cover - another JAX layout
+        token.__exit__(None, None, None)
+        return
+    _guard_state().host_to_device = token
 
 
 def hide_frames(path: str) -> None:

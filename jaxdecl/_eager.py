@@ -160,8 +160,16 @@ def run(call: Call, operands):
 
 def spans_devices(values) -> bool:
     """True when some array among `values` (a pytree) lives on several devices."""
+    for value in values:  # the common case, JAX arrays, without flattening
+        if type(value) is not _compat.ArrayImpl:
+            break
+        if value.sharding.num_devices > 1:
+            return True
+    else:
+        return False
     return any(getattr(getattr(a, "sharding", None), "num_devices", 1) > 1
                for a in jax.tree_util.tree_leaves(values))
+
 
 
 def run_sharded(eqn, operands, *, single: bool = False, rebuild=None):
@@ -231,6 +239,9 @@ def sharded_call(eqn, mesh, specs, operands, *, single=False, rebuild=None,
     caller = sharded_executable(mesh, p, not eqn.declared, tuple(specs), want,
                                 shard.out_avals())
     call = Call(kernel, shard.out_avals(), single, rebuild=rebuild, caller=caller)
+    # The slot goes to every device of the mesh once, not at each call (a
+    # one-device scalar would be copied to each device on every run).
+    call.slot = jax.device_put(call.slot, _compat.NamedSharding(mesh, _compat.P()))
     cache[key] = call
     return call, pin
 

@@ -49,6 +49,13 @@ def _store(results, outs, io: RuleIO, context: str, batch_rank: int = 0) -> None
     `batch_rank` leading dimensions are a vectorized batch: there a result may
     have size 1 (computed from unbatched inputs only) and is broadcast.
     """
+    if io.single_result and type(results) is np.ndarray:
+        # The common case, checked in three comparisons: inside an XLA loop this
+        # runs once per iteration.
+        out = outs[0]
+        if results.shape == out.shape and results.dtype == out.dtype:
+            np.copyto(out, results)
+            return
     if io.single_result and not (isinstance(results, (tuple, list)) and len(results) == 1):
         results = (results,)
     elif not isinstance(results, (tuple, list)) or len(results) != len(outs):

@@ -40,6 +40,9 @@ import dataclasses
 import threading
 import weakref
 
+import jax
+import numpy as np
+
 from . import (
     _compat,
     _fingerprint,
@@ -53,12 +56,12 @@ from . import (
 )
 from ._cfunction import CFunction
 from ._errors import missing_rule
-from ._identity import check_static, claim_fingerprint, config_key
+from ._identity import attributes, check_static, claim_fingerprint, config_key
 from ._layout import FORWARD, FORWARD_SAVING, TRANSPOSE, TRANSPOSE_WRT
 
 _lock = threading.RLock()
 _live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # config key -> handle
-_anchors: dict = {}  # id(instance) -> its handle, while the instance lives
+_anchors: dict = {}  # id(instance) -> (its handle, its attributes then), while it lives
 _unanchorable: list = []  # instances that cannot be weakly referenced: kept for good
 
 # Bumped whenever the operand/result order a kernel sees changes: part of
@@ -269,10 +272,15 @@ def spec_of(op):
     return spec
 
 
-def _anchor(instance, handle: OpHandle) -> None:
-    """Keeps `handle` alive while `instance` lives, and no longer."""
+def _anchor(instance, handle: OpHandle, values) -> None:
+    """Keeps `handle` alive while `instance` lives, and no longer; remembers the
+    attribute values it was keyed by (see :func:`handle_of`)."""
     first = id(instance) not in _anchors
-    _anchors[id(instance)] = handle
+    # Only values that cannot refer back to the instance are remembered (a bound
+    # method of the op would keep it alive for good); other configurations take
+    # the slow path each time.
+    simple = values is not None and all(_simple(v) for v in values.values())
+    _anchors[id(instance)] = (handle, dict(values) if simple else None)
     if first:
         try:
             finalizer = weakref.finalize(instance, _anchors.pop, id(instance), None)
@@ -287,8 +295,17 @@ def handle_of(instance) -> OpHandle:
     Looked up from the configuration on every call rather than cached on the
     instance: a cache attribute would change the pytree and equality of
     dataclass-like ops (equinox, nifty.re), and configuration set after a first
-    use (nifty.re models evaluate themselves inside __init__) must count.
+    use (nifty.re models evaluate themselves inside __init__) must count. The
+    common case is an instance whose attributes are the very objects its
+    handle was found by: then the handle is its anchor's, with no key to build.
     """
+    values = attributes(instance)
+    anchored = _anchors.get(id(instance))
+    if anchored is not None and values is not None:
+        handle, seen = anchored
+        if seen is not None and len(seen) == len(values) and \
+                all(values.get(name, _MISSING) is value for name, value in seen.items()):
+            return handle
     key, items = config_key(instance)
     handle = _live.get(key)
     if handle is None:
@@ -299,6 +316,18 @@ def handle_of(instance) -> OpHandle:
                 check_static(spec, instance)
                 handle = OpHandle(spec, type(instance), items)
                 _live[key] = handle
-    if _anchors.get(id(instance)) is not handle:
-        _anchor(instance, handle)
+    _anchor(instance, handle, values)
     return handle
+
+
+_MISSING = object()
+_ATOMS = (int, float, complex, str, bytes, type(None), np.ndarray, np.generic, np.dtype,
+          jax.Array)
+
+
+def _simple(value) -> bool:
+    """A value that holds no reference to other Python objects (bar its own data)."""
+    if isinstance(value, tuple):
+        return all(_simple(v) for v in value)
+    return isinstance(value, _ATOMS) and not isinstance(value, _compat.Tracer) and \
+        not (isinstance(value, np.ndarray) and value.dtype.hasobject)

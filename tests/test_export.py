@@ -143,3 +143,18 @@ def test_a_recipe_of_another_format_names_both_versions():
     with pytest.raises(jd.ExportError, match=r"jaxdecl 9\.9 \(recipe format 99\).*"
                                              + jd.__version__):
         _recipes.resolve(b'{"format": 99, "jaxdecl": "9.9"}')
+
+
+def test_import_registers_handlers_without_starting_a_backend():
+    # A process may load a saved program before it calls any op; it may also still
+    # choose its devices (or call jax.distributed.initialize) after importing jaxdecl.
+    code = ("import jax, jaxdecl\n"
+            "from jax._src import xla_bridge\n"
+            "assert not xla_bridge._backends, 'a backend started at import'\n"
+            "jax.config.update('jax_num_cpu_devices', 3)\n"
+            "print(len(jax.devices()))\n")
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.stdout.strip() == "3", done.stderr

@@ -196,9 +196,6 @@ def report(results: dict) -> str:
 #: a draw here that passes fails the run, so that the list only shrinks.
 KNOWN_GAPS = {
     272: "a cotangent is typed like its primal (whole); jax.numpy's twin leaves it split",
-    800: "an eager gradient computed from one-device cotangents stays on one device "
-         "(uncommitted); jax.numpy's lands on the primal's mesh",
-    925: "as 800",
     952: "vmap of vjp of an undeclared op under Explicit axes and jax.set_mesh: 'Resource "
          "axis d not found in mesh ()'",
 }
