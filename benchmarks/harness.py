@@ -104,7 +104,8 @@ def calibrate(fn: Callable[[], Any], target_s: float, max_number: int = 100_000)
 
 def time_case(variants: Mapping[str, Callable[[], Any]], *, rounds: int,
               target_s: float, warmup: int = 3, max_seconds: float | None = None,
-              min_rounds: int = 5, number: int | None = None) -> dict[str, Stats]:
+              min_rounds: int = 5, number: int | None = None,
+              settle: int = 0) -> dict[str, Stats]:
     """Times already-compiled variants in interleaved rounds.
 
     Args:
@@ -116,6 +117,10 @@ def time_case(variants: Mapping[str, Callable[[], Any]], *, rounds: int,
         of them would take longer than this (slow cases: large arrays).
       number: if given, calls per batch for every variant, without calibrating (one
         call per round for variants that must not repeat, e.g. a fresh compilation).
+      settle: untimed calls of a variant right before each of its timed batches. The
+        first call after another variant has run for a while can be slower (the worker
+        threads went idle, caches were refilled): where a batch is one or a few calls,
+        that cost would land on whichever variant follows a long one.
 
     Returns:
       name -> :class:`Stats` of the per-call time.
@@ -127,13 +132,15 @@ def time_case(variants: Mapping[str, Callable[[], Any]], *, rounds: int,
     numbers = {name: number if number is not None else calibrate(variants[name], target_s)
                for name in names}
     if max_seconds is not None:
-        round_s = sum(_batch(variants[name], numbers[name]) for name in names)
+        round_s = sum(_batch(variants[name], numbers[name] + settle) for name in names)
         rounds = max(min_rounds, min(rounds, int(max_seconds / max(round_s, 1e-9))))
     samples: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         # Rotating the order keeps any variant from always following the same one.
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
+            for _ in range(settle):
+                jax.block_until_ready(variants[name]())
             samples[name].append(_batch(variants[name], numbers[name]) / numbers[name])
     return {name: Stats(samples[name], numbers[name]) for name in names}
 
