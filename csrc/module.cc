@@ -146,10 +146,11 @@ PYBIND11_MODULE(_dispatch, m) {
         py::arg("collect"),
         "The callable run before an escaped view is reported (default gc.collect).");
 
-  m.def("set_worker_hooks", [](py::object enter, py::object exit) {
-    jaxdecl::SetWorkerHooks(enter.ptr(), exit.ptr());
-  }, py::arg("enter"), py::arg("exit"),
-        "Hooks run around kernels on XLA worker threads: enter() -> token, exit(token).");
+  m.def("set_worker_guard", [](py::object state, py::str name, py::object value) {
+    jaxdecl::SetWorkerGuard(state.is_none() ? nullptr : state.ptr(), name.ptr(), value.ptr());
+  }, py::arg("state"), py::arg("name"), py::arg("value"),
+        "Around kernels on XLA's worker threads, sets attribute `name` of the thread's "
+        "state() to `value` (restored after the call).");
 
   m.def("set_resolver", [](py::object resolver) {
     jaxdecl::SetResolver(resolver.is_none() ? nullptr : resolver.ptr());

@@ -17,8 +17,43 @@
 namespace jaxdecl {
 namespace {
 
-PyObject* g_worker_enter = nullptr;  // () -> token
-PyObject* g_worker_exit = nullptr;   // (token) -> None
+// The guard set around kernels on XLA's worker threads (SetWorkerGuard):
+// `g_guard_state()` gives the calling thread's state object, whose attribute
+// `g_guard_name` is set to `g_guard_value` for the call.
+PyObject* g_guard_state = nullptr;
+PyObject* g_guard_name = nullptr;
+PyObject* g_guard_value = nullptr;
+
+// This worker thread's guard state object, made once and kept.  GIL held.
+PyObject* ThreadGuardState() {
+  thread_local PyObject* state = nullptr;
+  if (state == nullptr && g_guard_state != nullptr) {
+    state = PyObject_CallNoArgs(g_guard_state);
+    if (state == nullptr) PyErr_Clear();
+  }
+  return state;
+}
+
+// Sets the guard for a call on this worker thread; returns what to restore
+// (a new reference), or null.  GIL held.
+PyObject* EnterGuard() {
+  PyObject* state = ThreadGuardState();
+  if (state == nullptr) return nullptr;
+  PyObject* previous = PyObject_GetAttr(state, g_guard_name);
+  if (previous == nullptr || PyObject_SetAttr(state, g_guard_name, g_guard_value) < 0) {
+    PyErr_Clear();
+    Py_XDECREF(previous);
+    return nullptr;
+  }
+  return previous;
+}
+
+void LeaveGuard(PyObject* previous) {
+  if (previous == nullptr) return;
+  PyObject* state = ThreadGuardState();
+  if (state == nullptr || PyObject_SetAttr(state, g_guard_name, previous) < 0) PyErr_Clear();
+  Py_DECREF(previous);
+}
 
 PyObject* CallKernel(const Kernel& kernel, PyObject* inputs, PyObject* outputs,
                      bool eager) {
@@ -118,7 +153,7 @@ std::string RunWithViews(const Kernel& kernel, const Call& call) {
 }
 
 // True on one of XLA's worker threads: a thread Python had never seen when
-// it first ran a kernel (see g_worker_enter in registry.h's SetWorkerHooks).
+// it first ran a kernel (see registry.h's SetWorkerGuard).
 // Such a thread keeps a Python thread state from then on: creating and
 // destroying one per call (what PyGILState_Ensure/Release do on a thread
 // without one) costs far more than the call itself, and a kernel inside an
@@ -153,29 +188,23 @@ std::string RunPythonKernel(const Kernel& kernel, const Call& call) {
     PyGILState_Release(gil);
     return error;
   }
-  PyObject* token = nullptr;
-  if (on_worker && g_worker_enter != nullptr) {
-    token = PyObject_CallNoArgs(g_worker_enter);
-    if (token == nullptr) PyErr_Clear();
-  }
+  PyObject* previous = on_worker ? EnterGuard() : nullptr;
   std::string error = RunWithViews(kernel, call);
-  if (token != nullptr) {
-    PyObject* done = PyObject_CallOneArg(g_worker_exit, token);
-    if (done == nullptr) PyErr_Clear();
-    Py_XDECREF(done);
-    Py_DECREF(token);
-  }
+  LeaveGuard(previous);
   PyGILState_Release(gil);
   return error;
 }
 
-void SetWorkerHooks(PyObject* enter, PyObject* exit) {
-  Py_XINCREF(enter);
-  Py_XINCREF(exit);
-  Py_XDECREF(g_worker_enter);
-  Py_XDECREF(g_worker_exit);
-  g_worker_enter = enter;
-  g_worker_exit = exit;
+void SetWorkerGuard(PyObject* state, PyObject* name, PyObject* value) {
+  Py_XINCREF(state);
+  Py_XINCREF(name);
+  Py_XINCREF(value);
+  Py_XDECREF(g_guard_state);
+  Py_XDECREF(g_guard_name);
+  Py_XDECREF(g_guard_value);
+  g_guard_state = state;
+  g_guard_name = name;
+  g_guard_value = value;
 }
 
 }  // namespace jaxdecl

@@ -101,8 +101,10 @@ void SetDescr(int code, PyObject* descr);
 // gc.collect) with a callable that may also release stale references.
 void SetCollect(PyObject* collect);
 
-// Python callables run around kernels on XLA's worker threads.
-void SetWorkerHooks(PyObject* enter, PyObject* exit);
+// What a kernel on one of XLA's worker threads runs under: attribute `name`
+// of the thread's `state()` object set to `value` for the call (JAX's
+// transfer guard: a rule calling JAX there would deadlock, so it fails).
+void SetWorkerGuard(PyObject* state, PyObject* name, PyObject* value);
 
 // Calls a C kernel on NumPy arrays (C-contiguous); returns "" or the error.
 std::string CallCKernel(jaxdecl_kernel function, PyObject* inputs,

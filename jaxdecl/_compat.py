@@ -56,7 +56,7 @@ __all__ = [
     "not_mapped", "Tracer", "JaxRuntimeError", "ad", "batching", "mlir", "ir", "shard_map",
     "has_explicit_axes", "JAX_VERSION", "JAX_VERSION_TEXT", "SPLITS_PER_SHARD",
     "EXPLICIT_REDUCTIONS", "shardy_enabled", "all_axes_manual", "reshard",
-    "forbid_host_transfers", "restore_host_transfers", "float0_zero", "not_tracing",
+    "worker_transfer_guard", "float0_zero", "not_tracing",
     "hold_weakly_in_caches",
     "get_aval", "hide_frames", "register_ffi_state_type", "register_batch_partitionable",
     "sdy_rule_attribute", "reshape", "ShapedArray", "context_mesh", "outside_context_mesh",
@@ -227,40 +227,20 @@ def float0_zero(aval) -> Zero:
     return Zero(aval.to_tangent_aval())
 
 
-try:  # the thread's transfer-guard level, as JAX's own context managers set it
-    from jax._src.lib import guard_lib as _guard_lib
+def worker_transfer_guard():
+    """``(state, attribute, value)`` that forbids host-to-device transfers on a thread.
 
-    _guard_state = _guard_lib.thread_local_state
-    _DISALLOW = _guard_lib.TransferGuardLevel.DISALLOW
-except (ImportError, AttributeError):  # pragma: no cover - another JAX layout
-    _guard_state = None
-
-
-def forbid_host_transfers():
-    """Makes host-to-device transfers on this thread raise; returns a restore token.
-
-    Used while a rule runs on one of XLA's own worker threads: a rule that calls
-    JAX there waits on a computation that waits on the rule (a deadlock), so
-    the first transfer of a NumPy value into JAX fails instead. Called around
-    every such call, so it sets the level JAX's transfers read directly (what
-    ``jax.transfer_guard_host_to_device`` does, less a context manager).
+    While a rule runs on one of XLA's own worker threads, a rule that calls JAX
+    there waits on a computation that waits on the rule (a deadlock); so the
+    first transfer of a NumPy value into JAX fails instead. The dispatcher sets
+    ``state().attribute = value`` around each such call itself (what
+    ``jax.transfer_guard_host_to_device("disallow")`` does, less a context
+    manager: inside an XLA loop this runs once per iteration).
     """
-    if _guard_state is None:  # pragma: no cover - another JAX layout
-        guard = jax.transfer_guard_host_to_device("disallow")
-        guard.__enter__()
-        return guard
-    state = _guard_state()
-    previous = state.host_to_device
-    state.host_to_device = _DISALLOW
-    return previous
+    from jax._src.lib import guard_lib
 
-
-def restore_host_transfers(token) -> None:
-    """Undoes :func:`forbid_host_transfers`."""
-    if _guard_state is None:  # pragma: no cover - another JAX layout
-        token.__exit__(None, None, None)
-        return
-    _guard_state().host_to_device = token
+    return (guard_lib.thread_local_state, "host_to_device",
+            guard_lib.TransferGuardLevel.DISALLOW)
 
 
 def hide_frames(path: str) -> None:

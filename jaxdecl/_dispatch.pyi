@@ -37,8 +37,12 @@ def set_dtype(code: int, dtype: Any) -> None:
 def set_collect(collect: Callable[[], Any]) -> None:
     """The callable run before an escaped view is reported (default gc.collect)."""
 
-def set_worker_hooks(enter: Callable[[], Any], exit: Callable[[Any], None]) -> None:
-    """Hooks run around kernels that execute on XLA worker threads."""
+def set_worker_guard(state: Callable[[], Any] | None, name: str, value: Any) -> None:
+    """Around kernels on XLA's worker threads, sets attribute `name` of the thread's
+    state() to `value` (restored after the call)."""
+
+def set_resolver(resolver: Callable[[bytes], tuple[int, Any]] | None) -> None:
+    """The callable that rebuilds a compiled call site's kernel from its recipe."""
 
 def element_types() -> dict[str, int]:
     """XLA element type codes by NumPy dtype name."""

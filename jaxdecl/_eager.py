@@ -239,9 +239,11 @@ def sharded_call(eqn, mesh, specs, operands, *, single=False, rebuild=None,
     caller = sharded_executable(mesh, p, not eqn.declared, tuple(specs), want,
                                 shard.out_avals())
     call = Call(kernel, shard.out_avals(), single, rebuild=rebuild, caller=caller)
-    # The slot goes to every device of the mesh once, not at each call (a
-    # one-device scalar would be copied to each device on every run).
-    call.slot = jax.device_put(call.slot, _compat.NamedSharding(mesh, _compat.P()))
+    if all(getattr(x, "is_fully_addressable", True) for x in operands):
+        # The slot goes to every device of the mesh once, not at each call (a
+        # one-device scalar would be copied to each device on every run). Across
+        # processes the slot differs per process, which a global array may not.
+        call.slot = jax.device_put(call.slot, _compat.NamedSharding(mesh, _compat.P()))
     cache[key] = call
     return call, pin
 

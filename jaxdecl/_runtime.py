@@ -79,7 +79,7 @@ def setup_dispatcher() -> None:
         return
     for name, code in _dispatch.element_types().items():
         _dispatch.set_dtype(code, _dtypes.numpy_dtype(name))
-    _dispatch.set_worker_hooks(_compat.forbid_host_transfers, _compat.restore_host_transfers)
+    _dispatch.set_worker_guard(*_compat.worker_transfer_guard())
     _dispatch.set_collect(_release_stale_references)
     # The state type first (registered at once, not queued behind the handlers
     # for the CPU client): the compiled target's instantiate stage creates it.
