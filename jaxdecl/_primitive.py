@@ -67,8 +67,9 @@ def _abstract_eval(*avals, equation):
                 for (shape, dtype), spec in zip(shapes, result_specs)]
 
     def whole():
-        if not varying:
-            return [ShapedArray(shape, dtype) for shape, dtype in shapes]
+        # Unsplit, on the operands' mesh, as JAX types its own ops' results: a
+        # type without the mesh would lose it for what follows (under vmap of a
+        # split batch dim, a later transpose re-adds the batch's mesh axis to it).
         return typed([(None,) * len(shape) for shape, _ in shapes])
 
     specs = [_plan.spec_of(a) for a in avals]

@@ -145,7 +145,7 @@ def test_a_recipe_of_another_format_names_both_versions():
         _recipes.resolve(b'{"format": 99, "jaxdecl": "9.9"}')
 
 
-def test_import_registers_handlers_without_starting_a_backend():
+def test_import_registers_handlers_without_starting_a_backend(tmp_path):
     # A process may load a saved program before it calls any op; it may also still
     # choose its devices (or call jax.distributed.initialize) after importing jaxdecl.
     code = ("import jax, jaxdecl\n"
@@ -155,6 +155,7 @@ def test_import_registers_handlers_without_starting_a_backend():
             "print(len(jax.devices()))\n")
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
+    # (cwd: not the checkout, whose jaxdecl/ would shadow the installed package)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, env=env)
+                          timeout=300, env=env, cwd=tmp_path)
     assert done.stdout.strip() == "3", done.stderr

@@ -196,8 +196,6 @@ def report(results: dict) -> str:
 #: a draw here that passes fails the run, so that the list only shrinks.
 KNOWN_GAPS = {
     272: "a cotangent is typed like its primal (whole); jax.numpy's twin leaves it split",
-    952: "vmap of vjp of an undeclared op under Explicit axes and jax.set_mesh: 'Resource "
-         "axis d not found in mesh ()'",
 }
 
 
