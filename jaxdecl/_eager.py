@@ -171,7 +171,6 @@ def spans_devices(values) -> bool:
                for a in jax.tree_util.tree_leaves(values))
 
 
-
 def run_sharded(eqn, operands, *, single: bool = False, rebuild=None):
     """Runs `eqn` now on operands spanning several devices, as its strategy says.
 

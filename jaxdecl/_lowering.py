@@ -141,6 +141,8 @@ def lower_direct(ctx, args, eqn, in_shapes):
 
 
 _ffi_lowering = jax.ffi.ffi_lowering(_runtime.TARGET, has_side_effect=False)
+# Executables holding a custom_partitioning call can be serialized (see there).
+_compat.serializable_partition_callbacks()
 
 _warned: set = set()
 
@@ -261,7 +263,6 @@ def lower_partitioned(ctx, args, eqn, factors):
         ctx, *args)
 
 
-_compat.serializable_partition_callbacks()
 def _mark_partitioned(module, eqn, in_shapes) -> None:
     """Names in the program which equations its ``custom_partitioning`` calls split.
 

@@ -232,35 +232,37 @@ def restore(cls, state):
 def configuration(handle, instance) -> tuple:
     """``(class path, saved state as JSON text)`` of a handle's op, cached on the handle;
     ``(None, reason)`` when it has none."""
-    saved = handle.saved
-    if saved is not None:
-        return saved
-    cls = type(instance)
-    name = handle.spec.name
+    if handle.saved is None:
+        handle.saved = _configuration(type(instance), handle.spec.name, instance)
+    return handle.saved
+
+
+def _configuration(cls, name: str, instance) -> tuple:
     path = _path(cls)
     if path is None:
         where = ("inside a function" if "<locals>" in cls.__qualname__
                  else "in the __main__ script")
-        saved = (None, f"{name} is defined {where}, so no other process can find its class. "
-                       f"Define it at the top level of a module that the loading process "
-                       f"imports")
-    else:
-        try:
-            kind, value = state_of(instance)
-            what = "__getstate__()" if kind == "hook" else "attribute"
-            if kind == "attrs":
-                text = ["attrs", {k: encode(v, name, f"{name}.{k}") for k, v in value.items()}]
-            else:
-                text = ["hook", encode(value, name, f"{name}.__getstate__()")]
-            saved = (path, json.dumps(text, separators=(",", ":")))
-        except Unsaveable as error:
-            saved = (None, f"{error.where} ({what}) holds a {type(error.value).__name__}, "
-                           f"which a saved program cannot carry by value. Define "
-                           f"__getstate__ on {name}, returning numbers, strings, arrays, "
-                           f"tuples, lists, dicts or dataclasses of those, and __setstate__ to "
-                           f"rebuild the op from them")
-    handle.saved = saved
-    return saved
+        return None, (f"{name} is defined {where}, so no other process can find its class. "
+                      f"Define it at the top level of a module that the loading process "
+                      f"imports")
+    try:
+        kind, value = state_of(instance)
+    except Exception as error:  # noqa: BLE001 - a class may forbid saving this way
+        # Every lowering asks (a recipe is optional outside jax.export), so a
+        # __getstate__ that refuses only keeps the op's programs in this process.
+        return None, f"{name}.__getstate__() raised {type(error).__name__}: {error}"
+    what = "__getstate__()" if kind == "hook" else "attribute"
+    try:
+        if kind == "attrs":
+            text = ["attrs", {k: encode(v, name, f"{name}.{k}") for k, v in value.items()}]
+        else:
+            text = ["hook", encode(value, name, f"{name}.__getstate__()")]
+    except Unsaveable as error:
+        return None, (f"{error.where} ({what}) holds a {type(error.value).__name__}, which a "
+                      f"saved program cannot carry by value. Define __getstate__ on {name}, "
+                      f"returning numbers, strings, arrays, tuples, lists, dicts or "
+                      f"dataclasses of those, and __setstate__ to rebuild the op from them")
+    return path, json.dumps(text, separators=(",", ":"))
 
 
 def _primals_form(primals) -> list:

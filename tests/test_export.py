@@ -159,3 +159,25 @@ def test_import_registers_handlers_without_starting_a_backend(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300, env=env, cwd=tmp_path)
     assert done.stdout.strip() == "3", done.stderr
+
+
+class Unpicklable(jd.Primitive):
+    """A class that forbids saving through __getstate__ (as some forbid pickling)."""
+
+    def __getstate__(self):
+        raise TypeError("Unpicklable objects cannot be saved")
+
+    @jd.abstract
+    def shapes(self, x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x):
+        return x + 1
+
+
+def test_a_refusing_getstate_only_keeps_programs_in_this_process():
+    np.testing.assert_array_equal(jax.jit(Unpicklable())(jnp.zeros(2)), np.ones(2))
+    with pytest.raises(jd.ExportError, match=r"Unpicklable.__getstate__\(\) raised TypeError"):
+        jax.export.export(jax.jit(Unpicklable()),
+                          disabled_checks=jd.disabled_checks())(jnp.zeros(2))
