@@ -5,12 +5,14 @@ Usage::
     python benchmarks/bench_loops.py              # full run, about a minute on 2 cores
     python benchmarks/bench_loops.py --quick      # few rounds, about 15 s (most of it compiling)
     python benchmarks/bench_loops.py --markdown   # also prints the table for README.md
+    python benchmarks/bench_loops.py --no-chart   # JSON only
 
 One op, ``y = A @ y`` on float64 with n = 5, called many times inside one
 compiled program, in four forms: ``native`` (``jax.numpy``), ``jaxdecl`` (a
-``multilinear=True`` op: forward ``np.matmul(a, y, out=out)``, ``@transpose(wrt="a")``
-``np.outer(ct, y)``, ``@transpose(wrt="y")`` ``a.T @ ct``), ``jaxbind``
-(``get_linear_call`` with one transpose per input, the same NumPy rules) and
+``multilinear=True`` op, every rule writing into ``out``: forward ``np.matmul(a, y,
+out=out)``, ``@transpose(wrt="a")`` the outer product ``ct yᵀ``, ``@transpose(wrt="y")``
+``np.matmul(a.T, ct, out=out)``), ``jaxbind`` (``get_linear_call`` with one transpose
+per input, the same NumPy rules writing into its buffers) and
 ``pure_callback`` (under ``jax.custom_vjp``, its vjp one more ``pure_callback`` that
 returns both cotangents). Four cases:
 
@@ -29,8 +31,9 @@ times are reported with the ratios to native. Every host rule increments a count
 one untimed run of each variant reads how many host calls a run makes, and
 ``(t_variant - t_native) / calls`` is the cost of one host call over what XLA spends
 on the native op (the NumPy rules' own cost, timed alone in Python, is reported next
-to it). Results go to ``benchmarks/results_loops.json`` (``--out`` changes the
-prefix). BLAS runs on one thread (set before NumPy loads).
+to it). Results go to ``benchmarks/results_loops.json`` and a chart of the per-run
+times to ``benchmarks/results_loops.png`` (``--out`` changes the prefix). BLAS runs
+on one thread (set before NumPy loads).
 """
 
 from __future__ import annotations
@@ -97,6 +100,11 @@ def _sds(x):
 # ---------------------------------------------------------------------------
 
 
+def outer_into(ct, y, out):
+    """``np.outer(ct, y)`` written into `out` (np.outer itself has no ``out=``)."""
+    np.multiply(ct[:, None], y[None, :], out=out)
+
+
 class MatVec(jd.Primitive, multilinear=True):
     """y = a @ x: linear in a and in x."""
 
@@ -110,14 +118,14 @@ class MatVec(jd.Primitive, multilinear=True):
         np.matmul(a, y, out=out)
 
     @jd.transpose(wrt="a")
-    def transpose_a(self, y, ct):
+    def transpose_a(self, y, ct, *, out):
         CALLS["jaxdecl", "transpose a"] += 1
-        return np.outer(ct, y)
+        outer_into(ct, y, out)
 
     @jd.transpose(wrt="y")
-    def transpose_y(self, a, ct):
+    def transpose_y(self, a, ct, *, out):
         CALLS["jaxdecl", "transpose y"] += 1
-        return a.T @ ct
+        np.matmul(a.T, ct, out=out)
 
 
 # JAXbind: kernels take (out, args, kwargs_dump); a transpose's args are the other
@@ -130,13 +138,13 @@ def _jb_matvec(out, args, kwargs_dump):
 def _jb_transpose_a(out, args, kwargs_dump):
     CALLS["jaxbind", "transpose a"] += 1
     y, ct = args
-    out[0][...] = np.outer(ct, y)
+    outer_into(ct, y, out[0])
 
 
 def _jb_transpose_y(out, args, kwargs_dump):
     CALLS["jaxbind", "transpose y"] += 1
     a, ct = args
-    out[0][...] = a.T @ ct
+    np.matmul(a.T, ct, out=out[0])
 
 
 def _jb_abstract(a, y, **kwargs):
@@ -378,10 +386,10 @@ def markdown(report) -> str:
 def rule_costs() -> dict:
     """Seconds per call of each NumPy rule alone, in Python (min of 7 × 10,000 calls)."""
     a, y = (np.asarray(x) for x in problem())
-    out, ct = np.empty(N), y[::-1].copy()
+    out, out_a, ct = np.empty(N), np.empty((N, N)), y[::-1].copy()
     rules = {"np.matmul(a, y, out=out)": lambda: np.matmul(a, y, out=out),
-             "np.outer(ct, y)": lambda: np.outer(ct, y),
-             "a.T @ ct": lambda: a.T @ ct,
+             "outer_into(ct, y, out)": lambda: outer_into(ct, y, out_a),
+             "np.matmul(a.T, ct, out=out)": lambda: np.matmul(a.T, ct, out=out),
              "np.outer(ct, y), a.T @ ct": lambda: (np.outer(ct, y), a.T @ ct)}
     return {name: min(timeit.repeat(rule, number=10_000, repeat=7)) / 10_000
             for name, rule in rules.items()}
@@ -412,7 +420,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help="few rounds, seconds")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per variant")
     parser.add_argument("--out", default=str(HERE / "results_loops"),
-                        help="prefix of the .json output")
+                        help="prefix of the .json and .png outputs")
+    parser.add_argument("--no-chart", action="store_true", help="skip the PNG")
     parser.add_argument("--markdown", action="store_true",
                         help="also print the results as a Markdown table")
     args = parser.parse_args(argv)
@@ -445,9 +454,18 @@ def main(argv=None) -> dict:
         print(f"  {name:28s} {seconds * 1e6:6.2f} µs")
     report["meta"]["wall_s"] = time.perf_counter() - start
     harness.write_json(args.out + ".json", report)
+    if not args.no_chart:
+        # One timed call is a whole program run (100 iterations, a solve), hence "per run".
+        harness.draw_chart(args.out + ".png",
+                           {e["title"]: e for e in report["cases"].values()},
+                           title=f"y = A @ y (n = {N}) inside compiled loops (jax "
+                                 f"{jax.__version__}, {os.cpu_count()} CPUs; "
+                                 f"bars median, ticks min)",
+                           ylabel="µs per run (median)")
     if args.markdown:
         print("\n" + markdown(report))
-    print(f"\nwrote {args.out}.json ({report['meta']['wall_s']:.0f} s)")
+    written = f"{args.out}.json" + ("" if args.no_chart else f" and {args.out}.png")
+    print(f"\nwrote {written} ({report['meta']['wall_s']:.0f} s)")
     return report
 
 

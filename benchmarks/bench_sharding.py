@@ -1,4 +1,4 @@
-"""Sharding on 4 host devices: a row FFT vs JAXbind, undeclared ops, compile time.
+"""Sharding on 4 host devices: a row FFT vs JAXbind, undeclared ops, eager calls, compile time.
 
 Usage::
 
@@ -23,13 +23,18 @@ Before timing, the results are checked against each other (and ``jnp.fft``
 against NumPy), and the compiled HLO of each variant is searched for
 ``all-gather``. Variants are timed in interleaved rounds (:mod:`harness`).
 
-Two more sections, on the same 4 devices (rows sharded, Auto mesh axes):
+More sections, on the same 4 devices (rows sharded, Auto mesh axes):
 
 - **An op without a declaration against** ``jax.pure_callback`` (:func:`undeclared`):
   the same NumPy work under ``jit``; an undeclared op gathers its input, runs
   once on one device and hands the result to all. Also counts the rule calls
   per evaluation (1 each), with a declared op (per shard) and ``jax.numpy`` for
   contrast.
+- **Eager calls on a sharded array** (:func:`eager`): ``2 * x`` without ``jit``
+  on a 64 x 1024 float64 array: ``x * 2`` in ``jax.numpy`` (the reference), a
+  jaxdecl op declared ``"n m -> n m"`` (runs per shard), the same op undeclared
+  (gathers, runs once), ``jax.pure_callback`` and JAXbind. Results are checked
+  against NumPy and for where they live (jaxdecl's stay on the mesh).
 - **Compile time of chained ops** (:func:`compile_times`): 1, 10, 50, 200 calls
   of an elementwise op declared ``"b n -> b n"`` against the same program in
   ``jax.numpy``, one instance called N times (``[same]``) and N instances of
@@ -98,7 +103,19 @@ except ImportError:  # the comparison runs without JAXbind's column
 NDEV = 4
 TARGET = 0.5  # jaxdecl / JAXbind, ratio of medians
 COMPILE_TARGET = 1.5  # jaxdecl / jax.numpy compile time at the largest N
+EAGER_TARGET = 1.5  # jaxdecl[declared] / jax.numpy, eager calls, ratio of medians
 BREAKDOWN = "jaxdecl[callback]"  # the variant whose compile is split into its steps
+
+
+def _time_against(reference, variants, skipped, title, rounds, target_s):
+    """``(stats, median ratios, min ratios)`` of `variants` timed interleaved, printed
+    against `reference`."""
+    stats = harness.time_case(variants, rounds=rounds, target_s=target_s)
+    median_ratios = harness.ratios(stats, reference)
+    min_ratios = harness.ratios(stats, reference, key="min")
+    harness.print_case(title, stats, {f"/{reference}": median_ratios,
+                                      f"mins /{reference}": min_ratios}, skipped)
+    return stats, median_ratios, min_ratios
 
 
 def _collectives(function, *args) -> list[str]:
@@ -175,12 +192,9 @@ def fft_section(quick: bool) -> dict:
     variants, skipped = harness.build_variants(candidates, rtol=1e-9, atol=1e-12)
     if "jaxdecl" not in variants or any(why == "wrong result" for why in skipped.values()):
         raise SystemExit(f"cannot compare: {skipped}")
-    stats = harness.time_case(variants, rounds=rounds, target_s=target_s)
-    median_ratios = harness.ratios(stats, "jaxbind")
-    min_ratios = harness.ratios(stats, "jaxbind", key="min")
     title = f"row FFT, {rows} x {cols} complex128, rows sharded over {NDEV} host devices"
-    harness.print_case(title, stats, {"/jaxbind": median_ratios, "mins /jaxbind": min_ratios},
-                       skipped)
+    stats, median_ratios, min_ratios = _time_against("jaxbind", variants, skipped, title,
+                                                     rounds, target_s)
     print("\ncollectives in the compiled HLO:",
           {name: names or "none" for name, names in collectives.items()})
     print("result shardings:", shardings)
@@ -285,13 +299,10 @@ def undeclared(quick: bool) -> dict:
             raise SystemExit(f"{name} ran its rule {calls[name]} times in one evaluation")
     collectives = {name: _collectives(f, x) for name, f in functions.items()}
     shardings = {name: _spec(r) for name, r in results.items()}
-    stats = harness.time_case(variants, rounds=rounds, target_s=target_s)
-    median_ratios = harness.ratios(stats, "pure_callback")
-    min_ratios = harness.ratios(stats, "pure_callback", key="min")
     title = (f"sin(x)*2+x, {rows} x {cols} float64 rows sharded over {NDEV} devices: "
              f"an op without a declaration vs jax.pure_callback")
-    harness.print_case(title, stats, {"/pure_callback": median_ratios,
-                                      "mins /pure_callback": min_ratios}, skipped)
+    stats, median_ratios, min_ratios = _time_against("pure_callback", variants, skipped, title,
+                                                     rounds, target_s)
     print("rule calls per evaluation:", {n: f"{calls[n]} x {shapes[n][0]}" for n in calls})
     print("collectives in the compiled HLO:",
           {name: names or "none" for name, names in collectives.items()})
@@ -307,6 +318,137 @@ def undeclared(quick: bool) -> dict:
         "result_shardings": shardings,
     }
 
+
+
+# --- Eager calls on a sharded array -----------------------------------------------------
+
+#: Shapes the rules saw, recorded only while one evaluation is counted (None: not counting).
+_EAGER_SHAPES: list | None = None
+
+
+def _record(x) -> None:
+    if _EAGER_SHAPES is not None:
+        _EAGER_SHAPES.append(tuple(x.shape))
+
+
+class EagerDoubleUndeclared(jd.Primitive):
+    """2 x into the result buffer, no sharding declaration: eager calls gather the input."""
+
+    @jd.abstract
+    def shapes(self, x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x, *, out):
+        _record(x)
+        np.multiply(x, 2, out=out)
+
+
+class EagerDouble(EagerDoubleUndeclared, sharding="n m -> n m"):
+    """The same rule declared elementwise: eager calls run it on each device's block."""
+
+
+def _host_double(a):
+    _record(a)
+    return np.multiply(a, 2)
+
+
+def _jaxbind_kernel(out, args, kwargs_dump):
+    _record(args[0])
+    np.multiply(args[0], 2, out=out[0])
+
+
+def _jaxbind_double(x):
+    """A maker for :func:`harness.build_variants`: JAXbind's ``2 * x`` called on `x`."""
+    call = jaxbind.get_nonlinear_call(
+        _jaxbind_kernel, (None, None), lambda *args, **kwargs: ((args[0].shape, args[0].dtype),),
+        None)
+    return lambda: call(x)[0]
+
+
+def _placement(value) -> dict:
+    """A result's spec (or, without one, its HLO sharding) and how many devices it spans."""
+    sharding = value.sharding
+    spec = getattr(sharding, "spec", None)
+    if spec is None:  # pure_callback's GSPMDSharding: "{maximal device=0}" says where it is
+        to_hlo = getattr(sharding, "_to_xla_hlo_sharding", None)
+        spec = sharding if to_hlo is None else to_hlo(value.ndim)
+    return {"spec": str(spec), "devices": len(sharding.device_set)}
+
+
+def eager(quick: bool, shape=(64, 1024)) -> dict:
+    """Un-jitted ``2 * x`` on rows sharded over 4 devices: jaxdecl, jax.numpy, callbacks."""
+    global _EAGER_SHAPES
+    rounds, target_s = (5, 0.005) if quick else (31, 0.05)
+    mesh = _mesh()
+    host = np.random.default_rng(4).standard_normal(shape)
+    x = jax.device_put(host, NamedSharding(mesh, P("d")))
+    declared, undeclared_op = EagerDouble(), EagerDoubleUndeclared()
+    sds = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    # One callable for every call: a new one per call would retrace and recompile it.
+    candidates = {
+        "jax.numpy": lambda: lambda: x * 2,
+        "jaxdecl[declared]": lambda: lambda: declared(x),
+        "jaxdecl[undeclared]": lambda: lambda: undeclared_op(x),
+        "pure_callback": lambda: lambda: jax.pure_callback(_host_double, sds, x),
+        "jaxbind": None if jaxbind is None else (lambda: _jaxbind_double(x)),
+    }
+    variants, skipped = harness.build_variants(candidates, rtol=0.0)
+    if {"jax.numpy", "jaxdecl[declared]", "jaxdecl[undeclared]"} - set(variants):
+        raise SystemExit(f"cannot compare eager calls: {skipped}")
+    expected = 2 * np.asarray(x)
+    placements, calls = {}, {}
+    for name, fn in variants.items():
+        if name != "jax.numpy":
+            _EAGER_SHAPES = []
+        try:
+            result = jax.block_until_ready(fn())
+        finally:
+            shapes, _EAGER_SHAPES = _EAGER_SHAPES, None
+        np.testing.assert_array_equal(np.asarray(result), expected, err_msg=name)
+        placements[name] = _placement(result)
+        if shapes is not None:
+            calls[name] = [list(s) for s in shapes]
+        if name.startswith("jaxdecl") and result.sharding.device_set != set(mesh.devices.flat):
+            raise SystemExit(f"{name} left the mesh: {result.sharding}")
+    if placements["jaxdecl[declared]"]["spec"] != _spec(x):
+        raise SystemExit(f"jaxdecl[declared] lost the rows' sharding: {placements}")
+    title = (f"eager 2 * x, {shape[0]} x {shape[1]} float64 rows sharded over {NDEV} devices "
+             f"(no jit), {rounds} rounds")
+    stats, median_ratios, min_ratios = _time_against("jax.numpy", variants, skipped, title,
+                                                     rounds, target_s)
+    print("rule calls per evaluation:",
+          {n: f"{len(s)} x {tuple(s[0])}" for n, s in calls.items()})
+    print("result placements:", {n: f"{p['spec']} on {p['devices']}" for n, p in
+                                 placements.items()})
+    ratio = median_ratios["jaxdecl[declared]"]
+    verdict = "PASS" if ratio <= EAGER_TARGET else "MISS"
+    print(f"\njaxdecl[declared] / jax.numpy = {ratio:.2f} "
+          f"(mins {min_ratios['jaxdecl[declared]']:.2f}); target <= {EAGER_TARGET}: {verdict}")
+    return {
+        "title": title, "shape": list(shape), "dtype": "float64",
+        "variants": {name: s.as_dict() for name, s in stats.items()},
+        "skipped": skipped,
+        "ratio_median": median_ratios, "ratio_min": min_ratios,
+        "rule_shapes": calls,
+        "result_placements": placements,
+        "target": {"limit": EAGER_TARGET, "ratio": ratio, "verdict": verdict},
+    }
+
+
+def eager_markdown(report: dict) -> str:
+    lines = ["| variant | median µs | min µs | / jax.numpy (median) | / jax.numpy (min) | "
+             "rule calls | result |",
+             "|---|---:|---:|---:|---:|---|---|"]
+    for name, v in report["variants"].items():
+        shapes = report["rule_shapes"].get(name)
+        rule = f"{len(shapes)} × {tuple(shapes[0])}" if shapes else ""
+        place = report["result_placements"][name]
+        lines.append(
+            f"| {name} | {v['median_s'] * 1e6:,.0f} | {v['min_s'] * 1e6:,.0f} | "
+            f"{report['ratio_median'][name]:.2f} | {report['ratio_min'][name]:.2f} | {rule} | "
+            f"`{place['spec']}` on {place['devices']} |")
+    return "\n".join(lines)
 
 # --- Compile time of chained ops ---------------------------------------------------------
 
@@ -755,6 +897,7 @@ def main() -> None:
 
     fft = fft_section(args.quick)
     undeclared_report = undeclared(args.quick)
+    eager_report = eager(args.quick)
     ns, rounds = ((1, 10), 2) if args.quick else ((1, 10, 50, 200), 5)
     compile_report = compile_times(ns, rounds)
     summary = compile_summary(compile_report)
@@ -773,6 +916,7 @@ def main() -> None:
                  "ratio": "variant time / jaxbind time (below 1: faster)"},
         **fft,
         "undeclared": undeclared_report,
+        "eager": eager_report,
         "compile_time": {
             "meta": {"ns": list(ns), "rounds": rounds, "shape": [64, 128],
                      "dtype": "float64", "mesh": "4 devices, axis d Auto, input P('d')",
@@ -788,6 +932,8 @@ def main() -> None:
     if args.markdown:
         print()
         print(fft_markdown)
+        print()
+        print(eager_markdown(eager_report))
         print()
         print(compile_markdown(compile_report))
     print(f"wrote {args.out}")

@@ -195,13 +195,15 @@ def print_case(title: str, stats: Mapping[str, Stats],
         print(f"  {name:28s} skipped: {why}")
 
 
-def draw_chart(path, cases: Mapping[str, Mapping[str, Any]], *, title: str = "") -> None:
+def draw_chart(path, cases: Mapping[str, Mapping[str, Any]], *, title: str = "",
+               ylabel: str = "µs per call (median)") -> None:
     """One panel per case: median per-call time of each variant (bars), min (ticks).
 
     Args:
       path: PNG file to write.
       cases: case name -> the case's report entry (``variants`` -> ``median_s``/``min_s``).
       title: figure title.
+      ylabel: the panels' y-axis label (what one timed call is, e.g. a whole loop).
     """
     import matplotlib
 
@@ -226,7 +228,7 @@ def draw_chart(path, cases: Mapping[str, Mapping[str, Any]], *, title: str = "")
         ax.set_yscale("log")
         ax.set_xticks(list(xs))
         ax.set_xticklabels(labels, rotation=40, ha="right", fontsize=8)
-        ax.set_ylabel("µs per call (median)")
+        ax.set_ylabel(ylabel)
         ax.set_title(name, fontsize=9)
         ax.grid(axis="y", which="both", alpha=0.3)
     for ax in list(axes.flat)[len(names):]:

@@ -346,20 +346,21 @@ def _typed_like(ct, aval):
     A rule's result is typed by its plan (a transpose knows its operands, not the
     primal it stands for): where the primal's type says otherwise, reshard to it.
     """
-    if ct is None or _is_zero(ct):
+    if ct is None or _is_zero(ct) or not _compat.COTANGENTS_TYPED_LIKE_PRIMALS:
         return ct
     have = getattr(getattr(ct, "aval", None), "sharding", None)
     if have is None or getattr(have.mesh, "empty", True) or \
             not _compat.has_explicit_axes(have.mesh):
         return ct
     want = getattr(aval, "sharding", None)
-    # A primal with no mesh in its type (an unsharded input) has a whole cotangent.
-    spec = tuple(want.spec) if want is not None and not getattr(want.mesh, "empty", True) \
-        else ()
-    spec += (None,) * (len(ct.shape) - len(spec))
+    if want is None or getattr(want.mesh, "empty", True):
+        # A primal with no mesh in its type: JAX leaves its cotangent as computed.
+        return ct
+    spec = tuple(want.spec) + (None,) * (len(ct.shape) - len(want.spec))
     if tuple(have.spec) + (None,) * (len(ct.shape) - len(have.spec)) == spec:
         return ct
-    return _compat.reshard(ct, _compat.P(*spec))
+    # A sharding with its mesh: JAX < 0.9 refuses a bare spec outside jax.set_mesh.
+    return _compat.reshard(ct, _compat.NamedSharding(have.mesh, _compat.P(*spec)))
 
 
 _compat.ad.primitive_jvps[jaxdecl_p] = jvp_rule

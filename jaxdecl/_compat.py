@@ -11,6 +11,8 @@ Everything version-specific is imported or shimmed here, for every JAX from
   ``jit``; and :func:`shardy_enabled` (the default from JAX 0.7).
 - :data:`EXPLICIT_REDUCTIONS`: a ``psum`` inside a per-shard function over
   Explicit mesh axes (XLA fails on it before JAX 0.9).
+- :data:`COTANGENTS_TYPED_LIKE_PRIMALS`: JAX's rule for a cotangent's sharding
+  type under Explicit axes (its primal's from JAX 0.7).
 
 Values differ too: :func:`plain_values` gives traceable rules arrays where
 JAX >= 0.7 holds constants as its own literal types.
@@ -61,6 +63,7 @@ __all__ = [
     "get_aval", "hide_frames", "register_ffi_state_type", "register_batch_partitionable",
     "sdy_rule_attribute", "reshape", "ShapedArray", "context_mesh", "outside_context_mesh",
     "ShardingTypeError", "ShardingContext", "NamedSharding", "P", "psum", "custom_partitioning",
+    "outside_vmap_axes",
     "sdy", "requires_devices_when_lowering", "vma_of", "insert_reshards", "sharded_aval",
     "plain_values", "ArrayImpl",
 ]
@@ -86,11 +89,21 @@ SPLITS_PER_SHARD = "need_replication_factors" in getattr(
     getattr(sdy, "SdyShardingRule", None), "__init__", lambda: None).__code__.co_varnames
 #: A psum inside a per-shard function over Explicit axes compiles (JAX >= 0.9).
 EXPLICIT_REDUCTIONS = JAX_VERSION >= (0, 9)
+#: Under Explicit axes a cotangent takes its primal's sharding type (JAX >= 0.7
+#: casts and checks it; JAX 0.6 leaves each cotangent as its computation types it).
+COTANGENTS_TYPED_LIKE_PRIMALS = JAX_VERSION >= (0, 7)
 
 
 def shardy_enabled() -> bool:
     """True when JAX lowers shardings to Shardy (the default from JAX 0.7)."""
     return bool(getattr(jax.config, "jax_use_shardy_partitioner", False))
+
+
+def some_axes_automatic(axis_context) -> bool:
+    """True inside a ``shard_map`` over only some mesh axes (``axis_names=``)."""
+    manual = getattr(axis_context, "manual_axes", None)
+    mesh = getattr(axis_context, "mesh", None)
+    return bool(manual) and mesh is not None and set(manual) != set(mesh.axis_names)
 
 
 def all_axes_manual(mesh) -> bool:
@@ -102,8 +115,12 @@ def all_axes_manual(mesh) -> bool:
 
 
 def reshard(value, spec):
-    """``jax.sharding.reshard``: `value` with the sharding `spec` in its type (JAX >= 0.7)."""
-    return jax.sharding.reshard(value, spec)
+    """``jax.sharding.reshard``: `value` with the sharding `spec` in its type."""
+    if hasattr(jax.sharding, "reshard"):
+        return jax.sharding.reshard(value, spec)
+    from jax.experimental.shard import reshard as experimental  # pragma: no cover - JAX 0.6
+
+    return experimental(value, spec)  # pragma: no cover
 
 
 def shard_map(function, mesh, in_specs, out_specs):
@@ -356,6 +373,26 @@ def context_mesh():
 
 
 @contextlib.contextmanager
+def outside_vmap_axes():
+    """No axes of an enclosing eager ``vmap`` for a while: a computation run now.
+
+    ``vmap`` of a batch dim split over Explicit mesh axes names those axes in the
+    axis environment, and ``shard_map`` takes them off the axes it maps over; a
+    ``shard_map`` run eagerly inside it maps over its whole mesh all the same.
+    """
+    context, top = getattr(_core, "trace_ctx", None), getattr(_core, "top_axis_env", None)
+    if context is None or top is None:  # pragma: no cover - other JAX versions
+        yield
+        return
+    previous = context.axis_env
+    context.set_axis_env(top)
+    try:
+        yield
+    finally:
+        context.set_axis_env(previous)
+
+
+@contextlib.contextmanager
 def outside_context_mesh():
     """No current mesh for a while: a one-device computation inside ``jax.set_mesh``.
 
@@ -365,9 +402,10 @@ def outside_context_mesh():
     from jax._src import mesh as mesh_lib
     from jax._src import sharding_impls
 
+    # JAX 0.6 (``jax.sharding.use_mesh``) marks "no concrete mesh" with None.
     empty = getattr(mesh_lib, "empty_concrete_mesh", None)
     use_concrete = getattr(sharding_impls, "_internal_use_concrete_mesh", None)
-    if empty is None or use_concrete is None:  # pragma: no cover - JAX without set_mesh
+    if use_concrete is None:  # pragma: no cover - JAX without a context mesh
         yield
         return
     with use_concrete(empty), mesh_lib.use_abstract_mesh(mesh_lib.empty_abstract_mesh):

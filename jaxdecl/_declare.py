@@ -195,9 +195,9 @@ def build_spec(cls, options: dict[str, Any]) -> OpSpec:
     )
 
 
-def _op_call(self, *args, **kwargs):
-    """Applies the primitive to JAX arrays, NumPy arrays or Python scalars."""
-    return apply_op(self, args, kwargs)
+#: ``op(*args, **kwargs)``: the primitive applied to JAX arrays, NumPy arrays or Python
+#: scalars (no wrapper frame: this is on the path of every eager call).
+_op_call = apply_op
 
 
 def _install(cls, options: dict[str, Any]):

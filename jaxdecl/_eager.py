@@ -197,7 +197,8 @@ def run_sharded(eqn, operands, *, single: bool = False, rebuild=None):
     # Operands on no mesh (NumPy values, one-device arrays) join it whole.
     placed = [x if isinstance(getattr(x, "sharding", None), _compat.NamedSharding) else
               jax.device_put(x, _compat.NamedSharding(mesh, _compat.P())) for x in operands]
-    result = run(call, placed)
+    with _compat.outside_vmap_axes():  # the per-shard map covers the whole mesh
+        result = run(call, placed)
     del pin  # held until here: the kernel's op stays alive for the call
     return result
 

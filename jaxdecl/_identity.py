@@ -70,6 +70,8 @@ def attributes(instance) -> dict | None:
     """The instance's configuration: its ``__dict__`` and the ``__slots__`` it has set."""
     cls = type(instance)
     names = _slot_names.get(cls)
+    if names == ():  # the common case: no __slots__, the __dict__ is the configuration
+        return getattr(instance, "__dict__", None)
     if names is None:
         names = []
         for klass in cls.__mro__:

@@ -90,6 +90,7 @@ def lower(ctx, *args, equation):
         evaluate = broadcast_vmapped(traceable, eqn.batch)
         return _compat.mlir.lower_fun(evaluate, multiple_results=True)(ctx, *args)
     eqn.user_rule()  # raises MissingRuleError before anything runs
+    _refuse_partly_manual(ctx, eqn)
     in_shapes = tuple(tuple(aval.shape) for aval in ctx.avals_in)
     mesh, devices = _program_mesh(ctx)
     explicit = mesh is not None and _compat.has_explicit_axes(mesh)
@@ -113,6 +114,21 @@ def lower(ctx, *args, equation):
             return lower_per_shard_map(ctx, args, eqn, mesh, proposed=True)
         return lower_partitioned(ctx, args, eqn, factors)
     return lower_per_shard_map(ctx, args, eqn, mesh)
+
+
+def _refuse_partly_manual(ctx, eqn) -> None:
+    """A named error where XLA would abort the process: without Shardy, its SPMD
+    partitioner fails a check on a custom call inside a ``shard_map`` over only some
+    mesh axes (as JAX refuses its own callbacks there)."""
+    context = ctx.module_context.axis_context
+    if _compat.shardy_enabled() or not _compat.some_axes_automatic(context):
+        return
+    raise _compat.ShardingTypeError(
+        f"{eqn.name}: called inside a shard_map over only some mesh axes "
+        f"(axis_names={set(context.manual_axes)}); compiling that needs JAX >= 0.7 with "
+        f"Shardy (this is JAX {_compat.JAX_VERSION_TEXT}, "
+        f"jax_use_shardy_partitioner={_compat.shardy_enabled()}). Map over every mesh axis "
+        f"instead, or call the op outside the shard_map")
 
 
 def _call_site(ctx, eqn, in_shapes) -> dict:
@@ -307,4 +323,6 @@ def lower_per_shard_map(ctx, args, eqn, mesh, proposed: bool = False):
     whole = _shardmap.build(lambda *blocks: bind(shard, blocks), mesh, p,
                             out_avals=shard.out_avals(), once=not eqn.declared, have=specs,
                             want=want, explicit=not proposed)
-    return _compat.mlir.lower_fun(whole, multiple_results=True)(ctx, *args)
+    # Lowered inside an eager vmap (of a jit), the map still covers the whole mesh.
+    with _compat.outside_vmap_axes():
+        return _compat.mlir.lower_fun(whole, multiple_results=True)(ctx, *args)

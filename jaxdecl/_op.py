@@ -303,9 +303,13 @@ def handle_of(instance) -> OpHandle:
     anchored = _anchors.get(id(instance))
     if anchored is not None and values is not None:
         handle, seen = anchored
-        if seen is not None and len(seen) == len(values) and \
-                all(values.get(name, _MISSING) is value for name, value in seen.items()):
-            return handle
+        if seen is not None and len(seen) == len(values):
+            # A plain loop: this runs on every eager call, and a generator costs more.
+            for name, value in seen.items():
+                if values.get(name, _MISSING) is not value:
+                    break
+            else:
+                return handle
     key, items = config_key(instance)
     handle = _live.get(key)
     if handle is None:

@@ -182,17 +182,20 @@ def plan_for(eqn, factors, specs, axis_sizes: dict, *, explicit: bool) -> Plan:
     return p
 
 
-def result_specs(eqn, p: Plan, operand_specs) -> list:
+def result_specs(eqn, p: Plan, operand_specs, meshless=frozenset()) -> list:
     """The specs the results of `eqn` have under plan `p`.
 
     A cotangent has its primal's sharding, as for JAX's own ops: the cotangent
     of an input split along fewer factors than the plan splits (a replicated
-    matrix against a split vector) is gathered to it.
+    matrix against a split vector) is gathered to it (not on JAX 0.6, whose
+    cotangents keep the sharding their computation gives them). So does the
+    cotangent of an operand whose type has no mesh (positions in `meshless`).
     """
     specs = list(p.result_specs)
-    if eqn.rule == "vjp":
+    if eqn.rule == "vjp" and _compat.COTANGENTS_TYPED_LIKE_PRIMALS:
         for j, i in enumerate(eqn.layout.diff_indices):
-            specs[j] = tuple(operand_specs[i])
+            if i not in meshless:
+                specs[j] = tuple(operand_specs[i])
     return specs
 
 

@@ -84,7 +84,8 @@ def _abstract_eval(*avals, equation):
         return whole()
     factors = eqn.factors(tuple(tuple(a.shape) for a in avals))
     p = _plan.plan_for(eqn, factors, specs, dict(mesh.shape), explicit=True)
-    return typed(_plan.result_specs(eqn, p, specs))
+    meshless = {i for i, a in enumerate(avals) if mesh_of([a]) is None}
+    return typed(_plan.result_specs(eqn, p, specs, meshless))
 
 
 jaxdecl_p.def_impl(_impl)

@@ -16,9 +16,9 @@ eager, no declaration, no vmapped dim split, 1 process ``ONE_DEVICE``
 eager, Explicit axes, no declaration, JAX < 0.9        ``ONE_DEVICE``
 jit, Explicit axes                                     ``PER_SHARD_MAP``
 jit, Explicit axes, no declaration, JAX < 0.9          ``DIRECT``
+jit, Auto axes, declared, JAX < 0.7 or Shardy off      ``DIRECT``
 jit, Auto axes, elementwise declaration                ``SPLIT``
 jit, Auto axes, otherwise                              ``PARTITIONED``
-jit, declared, JAX < 0.7 or Shardy off                 ``DIRECT``
 =====================================================  ==================
 
 An op without a declaration takes the same strategies as a declared one: its
@@ -94,14 +94,15 @@ def choose(facts: CallFacts) -> Strategy:
             # collective (and running once over Explicit axes needs a psum: JAX >= 0.9).
             return Strategy.ONE_DEVICE
         return Strategy.PER_SHARD_MAP
-    if facts.declared and not facts.splits_per_shard:
-        return Strategy.DIRECT  # XLA gathers; the op warns once (see _lowering)
     if facts.explicit:
+        # The types say where every block is: a shard_map needs no partitioner's help.
         if not facts.declared and not facts.explicit_reductions:
             # Running once needs a psum, which XLA cannot compile over Explicit
             # axes before JAX 0.9: every device runs the rule on gathered inputs.
             return Strategy.DIRECT
         return Strategy.PER_SHARD_MAP
+    if facts.declared and not facts.splits_per_shard:
+        return Strategy.DIRECT  # XLA gathers; the op warns once (see _lowering)
     if not facts.declared and not facts.splits_per_shard:
         return Strategy.DIRECT
     return Strategy.SPLIT if facts.elementwise else Strategy.PARTITIONED

@@ -77,6 +77,10 @@ class Draw:
     rtol: float
     processes: int  # 2: run by two processes with jax.distributed (2 devices each)
     features: frozenset
+    #: Shapes of the inputs placed on no mesh: a cotangent of one has no primal type to
+    #: follow, and JAX's own ops disagree on its type (``mul`` leaves it split like the
+    #: other operand, ``broadcast_in_dim``'s transpose makes it whole).
+    untyped: tuple = ()
 
     def script(self, tests_dir: str) -> str:
         """A standalone script: runs the program, then its twin, and prints how they differ."""
@@ -311,8 +315,10 @@ def draw(seed: int) -> Draw:
                + (f" [{reused}]" if reused else ""))
     specs = d.explicit and not set(program.used) & set(UNDECLARED)
     rtol = 1e-4 if "dtype:float32" in d.features else 1e-10
+    untyped = tuple(d.full_shape(i) for i in range(len(d.inputs))
+                    if d.modes[i] == "unsharded")
     return Draw(seed, group, "\n".join(lines), summary, specs, rtol, processes,
-                frozenset(d.features))
+                frozenset(d.features), untyped)
 
 
 def _draw_program(d: _Draft) -> None:

@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 import jaxdecl as jd
 
 __all__ = ["OPS", "TWINS", "AxisType", "P", "blend", "compare", "cotangent", "jax", "jnp",
-           "make_mesh", "np", "place", "tangent", "total", "values"]
+           "make_mesh", "np", "place", "set_mesh", "tangent", "total", "values"]
 
 
 def _same(x):
@@ -237,6 +237,21 @@ UNDECLARED = ("Tanh",)
 # What a program's script uses
 # ---------------------------------------------------------------------------------------
 
+def set_mesh(mesh):
+    """``jax.set_mesh(mesh)``; ``jax.sharding.use_mesh`` on JAX 0.6, which has no set_mesh."""
+    setter = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh
+    return setter(mesh)
+
+
+def _reshard(value, sharding):
+    """``jax.sharding.reshard``; ``jax.experimental.shard.reshard`` on JAX 0.6."""
+    if hasattr(jax.sharding, "reshard"):
+        return jax.sharding.reshard(value, sharding)
+    from jax.experimental.shard import reshard
+
+    return reshard(value, sharding)
+
+
 def make_mesh(name: str, axis_type: str):
     """The (4,) mesh "d" (``name="1d"``) or the (2, 2) mesh "x", "y" (``"2d"``)."""
     kind = getattr(AxisType, axis_type)
@@ -286,7 +301,7 @@ def blend(carry, out):
     want = jax.typeof(carry).sharding
     if jax.typeof(leaf).sharding.spec != want.spec:
         # Under Explicit axes a scan's carry keeps its type: reshard as a user would.
-        leaf = jax.sharding.reshard(leaf, want)
+        leaf = _reshard(leaf, want)
     return 0.5 * carry + 0.25 * leaf / (1 + jnp.abs(leaf))
 
 
@@ -342,13 +357,14 @@ def out_of_range(expected) -> bool:
     return False
 
 
-def compare(out, expected, *, specs: bool, rtol: float = 1e-10) -> list:
+def compare(out, expected, *, specs: bool, rtol: float = 1e-10, untyped=()) -> list:
     """How `out` differs from its twin's `expected` (empty: it does not).
 
     Values to `rtol` (1e-4 where a float32 input enters: its rounding reaches float64
     results too), relative to the largest expected magnitude; the devices each result
     lives on; with ``specs``, each result's sharding type (Explicit axes:
-    ``jax.typeof(leaf).sharding.spec``).
+    ``jax.typeof(leaf).sharding.spec``), except for results shaped like an input on no
+    mesh (`untyped` shapes: its cotangent has no type to follow).
     """
     out_leaves, out_tree = jax.tree.flatten(out)
     exp_leaves, exp_tree = jax.tree.flatten(expected)
@@ -372,7 +388,7 @@ def compare(out, expected, *, specs: bool, rtol: float = 1e-10) -> list:
         if mine is not None and theirs is not None and mine != theirs and \
                 not _unplaced_like(leaf, want):
             problems.append(f"leaf {k}: on {len(mine)} device(s), the twin's on {len(theirs)}")
-        if specs:
+        if specs and tuple(got.shape) not in untyped:
             typed, twin = jax.typeof(leaf).sharding.spec, jax.typeof(want).sharding.spec
             if _spec_tuple(typed, got.ndim) != _spec_tuple(twin, got.ndim):
                 problems.append(f"leaf {k}: type {jax.typeof(leaf)}, the twin's "

@@ -20,7 +20,8 @@ def script(drawn, tests_dir: str) -> str:
     start = "" if drawn.processes == 1 else _PROCESSES.format(port=PROCESS_PORT)
     return _SCRIPT.format(
         seed=drawn.seed, summary=drawn.summary, tests_dir=tests_dir, source=drawn.source,
-        specs=drawn.specs, rtol=drawn.rtol, devices=4 // drawn.processes, start=start,
+        specs=drawn.specs, rtol=drawn.rtol, untyped=drawn.untyped,
+        devices=4 // drawn.processes, start=start,
         how="" if drawn.processes == 1 else
         "\n\nRun it as two processes: `python FILE 0 & python FILE 1`.")
 
@@ -45,7 +46,7 @@ from helpers_programs_ops import *  # noqa: E402,F403  the ops, their twins, hel
 
 out = run(OPS)  # the program with jaxdecl ops
 expected = run(TWINS)  # the same program with the ops' jax.numpy twins
-print(compare(out, expected, specs={specs}, rtol={rtol}) or "same")
+print(compare(out, expected, specs={specs}, rtol={rtol}, untyped={untyped}) or "same")
 '''
 
 
@@ -88,7 +89,7 @@ def render(d) -> tuple:
         inner = name
     call = f"{inner}({args})"
     if d.set_mesh:
-        lines += ["    with jax.set_mesh(mesh):", f"        return {call}"]
+        lines += ["    with set_mesh(mesh):", f"        return {call}"]
     else:
         lines.append(f"    return {call}")
     return lines, chain

@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/bench_loops.py: the quick run completes, checks and reports."""
+"""Smoke test of benchmarks/bench_loops.py: the quick run completes, checks, reports, charts."""
 
 import json
 import pathlib
@@ -55,3 +55,5 @@ def test_quick_run_reports_every_case(tmp_path):
     assert solve["jaxdecl"]["calls"] == solve["pure_callback"]["calls"]
     assert set(report["rule_costs_s"]) and all(v > 0 for v in report["rule_costs_s"].values())
     assert "| fori_loop" in done.stdout
+    # The chart is written next to the JSON, under the same prefix.
+    assert (tmp_path / "results_loops.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

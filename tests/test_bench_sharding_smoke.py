@@ -45,6 +45,23 @@ def test_quick_run_reports_every_variant(tmp_path):
     assert undeclared["collectives"]["jaxdecl[declared]"] == []
     assert undeclared["ratio_median"]["pure_callback"] == pytest.approx(1.0)
 
+    # Eager calls on a sharded array: declared per shard, undeclared once on gathered input.
+    eager = report["eager"]
+    eager_names = {"jax.numpy", "jaxdecl[declared]", "jaxdecl[undeclared]", "pure_callback",
+                   "jaxbind"}
+    assert set(eager["variants"]) | set(eager["skipped"]) == eager_names
+    assert {"jax.numpy", "jaxdecl[declared]", "jaxdecl[undeclared]"} <= set(eager["variants"])
+    assert "wrong result" not in eager["skipped"].values()
+    assert eager["rule_shapes"]["jaxdecl[declared]"] == [[16, 1024]] * 4
+    assert eager["rule_shapes"]["jaxdecl[undeclared]"] == [[64, 1024]]
+    assert eager["result_placements"]["jaxdecl[declared]"] == {"spec": "P('d',)", "devices": 4}
+    assert eager["result_placements"]["jaxdecl[undeclared]"]["devices"] == 4
+    for name, entry in eager["variants"].items():
+        assert entry["median_s"] >= entry["min_s"] > 0, name
+    assert eager["ratio_median"]["jax.numpy"] == pytest.approx(1.0)
+    assert eager["target"]["verdict"] in ("PASS", "MISS")
+    assert "jaxdecl[declared] / jax.numpy" in done.stdout
+
     # Compile time of chained ops, jaxdecl against jax.numpy, at N = 1 and 10.
     compile_time = report["compile_time"]
     assert set(compile_time["by_n"]) == {"1", "10"}

@@ -246,6 +246,22 @@ def test_multiple_inputs_and_outputs(cls, dtype, jit):
 # ---------------------------------------------------------------------------
 
 
+def test_eager_calls_take_every_kind_of_argument_after_a_cached_one():
+    """The cached eager path (JAX arrays on one device each) and the general one agree,
+    in any order: NumPy values, scalars, a one-device mesh, a changed configuration."""
+    from ops import Scale
+
+    op = Scale(3.0)
+    x = jnp.arange(4.0)
+    one_device = jax.device_put(x, jax.sharding.NamedSharding(
+        jax.make_mesh((1,), ("d",)), jax.sharding.PartitionSpec("d")))
+    for value in (x, np.arange(4.0), x, 2.0, one_device, x, jnp.arange(6.0)):
+        np.testing.assert_array_equal(op(value), 3.0 * np.asarray(value))
+    op.factor = -1.0  # the same instance, configured anew: a new handle, not the cached call
+    np.testing.assert_array_equal(op(x), -np.asarray(x))
+    np.testing.assert_array_equal(op(x=x), -np.asarray(x))
+
+
 def test_eager_calls_do_not_retrace():
     traces = []
     runs = []

@@ -31,13 +31,11 @@ import tempfile
 import threading
 
 import pytest
-from conftest import needs_split, subprocess_env
+from conftest import subprocess_env
 from helpers_programs_draw import GROUPS, OPS, PLACEMENTS, TRANSFORMS, draw, group_of
 
 HELPER = os.path.join(os.path.dirname(__file__), "helpers_programs.py")
 
-# Programs over several devices, as the sharding matrix: JAX >= 0.7 (set_mesh, Shardy).
-pytestmark = needs_split
 SAMPLE = range(100)
 DRAWS = int(os.environ.get("JAXDECL_PROGRAM_DRAWS", "2000"))
 DRAW_TIMEOUT = 300  # seconds one draw may take before its process is killed (a hang)
@@ -194,9 +192,7 @@ def report(results: dict) -> str:
 
 #: Draws that fail for a reason not fixed yet, each named: listed in every report, and
 #: a draw here that passes fails the run, so that the list only shrinks.
-KNOWN_GAPS = {
-    272: "a cotangent is typed like its primal (whole); jax.numpy's twin leaves it split",
-}
+KNOWN_GAPS: dict = {}
 
 
 def _check(results: dict) -> None:

@@ -35,7 +35,7 @@ DOC_ROWS = {
     "`jit`, Auto axes, an elementwise declaration": CallFacts(
         devices=4, declared=True, elementwise=True),
     "`jit`, Auto axes, any other declaration or none": CallFacts(devices=4),
-    "`jit`, a declaration, JAX < 0.7 or Shardy off": CallFacts(
+    "`jit`, Auto axes, a declaration, JAX < 0.7 or Shardy off": CallFacts(
         devices=4, declared=True, elementwise=True, splits_per_shard=False),
 }
 
@@ -73,6 +73,14 @@ def test_traceable_rules_always_inline():
                 is Strategy.INLINE
 
 
+def test_explicit_axes_need_no_partitioner():
+    """Under Explicit axes the types place every block: a declared op runs per shard
+    even where this JAX's partitioner cannot split it (JAX < 0.7 or Shardy off)."""
+    facts = CallFacts(devices=4, declared=True, explicit=True, splits_per_shard=False,
+                      explicit_reductions=False)
+    assert choose(facts) is Strategy.PER_SHARD_MAP
+
+
 def test_undeclared_ops_take_the_declared_paths():
     """No separate mechanism for ops without a declaration: their implied plan."""
     assert choose(CallFacts(devices=4)) is Strategy.PARTITIONED
@@ -93,6 +101,41 @@ def test_implied_plan_of_an_undeclared_op_splits_only_vmapped_dims():
     assert p.result_specs == (("d", None),)
     assert p.idle == ("e",)  # runs once along it
     assert p.summed == ((),)
+
+
+_PARTLY_MANUAL = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import jax, jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+jax.config.update("jax_use_shardy_partitioner", False)
+from helpers_seams import Scale
+mesh = jax.make_mesh((2, 2), ("x", "y"))
+f = jax.jit(jax.shard_map(lambda v: Scale(2.0)(v), mesh=mesh, in_specs=P("x"),
+                          out_specs=P("x"), axis_names={"x"}))
+try:
+    f(jnp.arange(8.0))
+except jax.errors.JaxRuntimeError as error:
+    raise SystemExit(f"XLA error: {error}")
+except Exception as error:
+    print(type(error).__name__, error)
+"""
+
+
+def test_partly_manual_shard_map_without_shardy_is_refused():
+    """Without Shardy, XLA's partitioner aborts the process on a custom call inside a
+    shard_map over only some mesh axes (JAX 0.6's default): the op refuses by name."""
+    import subprocess
+
+    from conftest import subprocess_env
+
+    done = subprocess.run([sys.executable, "-c", _PARTLY_MANUAL], capture_output=True,
+                          text=True, timeout=300, cwd=os.path.dirname(HELPER),
+                          env=subprocess_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("ShardingTypeError Scale: called inside a shard_map over "
+                                  "only some mesh axes"), done.stdout
+    assert "needs JAX >= 0.7 with Shardy" in done.stdout
 
 
 @needs_split
