@@ -188,8 +188,9 @@ def result_specs(eqn, p: Plan, operand_specs, meshless=frozenset()) -> list:
     A cotangent has its primal's sharding, as for JAX's own ops: the cotangent
     of an input split along fewer factors than the plan splits (a replicated
     matrix against a split vector) is gathered to it (not on JAX 0.6, whose
-    cotangents keep the sharding their computation gives them). So does the
-    cotangent of an operand whose type has no mesh (positions in `meshless`).
+    cotangents keep the sharding their computation gives them). The cotangent of
+    an operand whose type has no mesh (positions in `meshless`) keeps the plan's
+    sharding, as JAX's elementwise ops leave it.
     """
     specs = list(p.result_specs)
     if eqn.rule == "vjp" and _compat.COTANGENTS_TYPED_LIKE_PRIMALS:

@@ -101,10 +101,8 @@ def choose(facts: CallFacts) -> Strategy:
             # axes before JAX 0.9: every device runs the rule on gathered inputs.
             return Strategy.DIRECT
         return Strategy.PER_SHARD_MAP
-    if facts.declared and not facts.splits_per_shard:
-        return Strategy.DIRECT  # XLA gathers; the op warns once (see _lowering)
-    if not facts.declared and not facts.splits_per_shard:
-        return Strategy.DIRECT
+    if not facts.splits_per_shard:
+        return Strategy.DIRECT  # XLA gathers; a declared op warns once (see _lowering)
     return Strategy.SPLIT if facts.elementwise else Strategy.PARTITIONED
 
 
