@@ -36,6 +36,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxdecl as jd
+from jaxdecl import _compat
 
 __all__ = ["OPS", "TWINS", "AxisType", "P", "blend", "compare", "cotangent", "jax", "jnp",
            "make_mesh", "np", "place", "set_mesh", "tangent", "total", "values"]
@@ -243,15 +244,6 @@ def set_mesh(mesh):
     return setter(mesh)
 
 
-def _reshard(value, sharding):
-    """``jax.sharding.reshard``; ``jax.experimental.shard.reshard`` on JAX 0.6."""
-    if hasattr(jax.sharding, "reshard"):
-        return jax.sharding.reshard(value, sharding)
-    from jax.experimental.shard import reshard
-
-    return reshard(value, sharding)
-
-
 def make_mesh(name: str, axis_type: str):
     """The (4,) mesh "d" (``name="1d"``) or the (2, 2) mesh "x", "y" (``"2d"``)."""
     kind = getattr(AxisType, axis_type)
@@ -301,7 +293,7 @@ def blend(carry, out):
     want = jax.typeof(carry).sharding
     if jax.typeof(leaf).sharding.spec != want.spec:
         # Under Explicit axes a scan's carry keeps its type: reshard as a user would.
-        leaf = _reshard(leaf, want)
+        leaf = _compat.reshard(leaf, want)  # jax.sharding.reshard, on every JAX
     return 0.5 * carry + 0.25 * leaf / (1 + jnp.abs(leaf))
 
 

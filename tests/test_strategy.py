@@ -8,10 +8,11 @@ processes (``helpers_seams.py``), each against ``jax.numpy``.
 
 import os
 import pathlib
+import subprocess
 import sys
 
 import pytest
-from conftest import needs_split, run_helper, run_two_processes
+from conftest import needs_split, run_helper, run_two_processes, subprocess_env
 
 from jaxdecl._strategy import CallFacts, Strategy, choose
 
@@ -125,10 +126,6 @@ except Exception as error:
 def test_partly_manual_shard_map_without_shardy_is_refused():
     """Without Shardy, XLA's partitioner aborts the process on a custom call inside a
     shard_map over only some mesh axes (JAX 0.6's default): the op refuses by name."""
-    import subprocess
-
-    from conftest import subprocess_env
-
     done = subprocess.run([sys.executable, "-c", _PARTLY_MANUAL], capture_output=True,
                           text=True, timeout=300, cwd=os.path.dirname(HELPER),
                           env=subprocess_env())
