@@ -5,6 +5,8 @@ oldest that the supported jaxlibs accept): header-only, so nothing links
 against jaxlib, and one build loads next to every supported JAX.
 """
 
+import glob
+
 import numpy
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
@@ -16,6 +18,7 @@ dispatch = Pybind11Extension(
         "csrc/call_site.cc",  # the instantiate handler, per-executable state
         "csrc/ffi_state.cc",
         "csrc/python_kernel.cc",
+        "csrc/rows.cc",  # batch="loop": one rule call per row
         "csrc/c_kernel.cc",
         "csrc/views.cc",
         "csrc/errors.cc",
@@ -23,6 +26,8 @@ dispatch = Pybind11Extension(
         "csrc/module.cc",  # the Python module
     ],
     include_dirs=["jaxdecl/include", "csrc/third_party", numpy.get_include()],
+    # A changed header rebuilds every source: the structs in them are shared.
+    depends=sorted(glob.glob("csrc/*.h")),
     cxx_std=17,
     # api.h trips -Wreturn-type on g++ 12 in code we do not own.
     extra_compile_args=["-O2", "-Wno-return-type", "-Wno-sign-compare"],

@@ -92,16 +92,9 @@ ffi::Error JaxdeclDispatchEagerImpl(ffi::AnyBuffer slot, ffi::RemainingArgs args
     return AsError("jaxdecl: no kernel is registered in slot " +
                    std::to_string(key));
   }
-  ffi::Error error =
-      Run(*kernel, Call{args, rets, /*eager=*/true, /*cache=*/nullptr, /*drop=*/0});
-  if (kernel->c_function == nullptr && Py_IsInitialized()) {
-    // The last reference may be ours (released meanwhile): drop it with the
-    // GIL, which the Kernel's destructor would otherwise take on its own.
-    PyGILState_STATE gil = PyGILState_Ensure();
-    kernel.reset();
-    PyGILState_Release(gil);
-  }
-  return error;
+  // The kernel's own views: its shapes are fixed, so they serve every eager
+  // call as a call site's serve every run.
+  return Run(*kernel, Call{args, rets, /*eager=*/true, &kernel->eager_views, /*drop=*/0});
 }
 
 }  // namespace

@@ -95,7 +95,7 @@ PYBIND11_MODULE(_dispatch, m) {
   m.def("register_kernel", [](int64_t hi, int64_t lo, std::string name,
                               py::object call, py::object on_escape,
                               py::object instance_ref, py::object direct,
-                              py::object on_failure) {
+                              py::object on_failure, py::object rows) {
     if (!instance_ref.is_none() && !PyWeakref_Check(instance_ref.ptr())) {
       throw py::type_error("instance_ref must be a weak reference or None");
     }
@@ -106,11 +106,19 @@ PYBIND11_MODULE(_dispatch, m) {
     if (!direct.is_none() && !on_failure.is_none()) {
       kernel->direct = direct.release().ptr();
       kernel->on_failure = on_failure.release().ptr();
+      if (!rows.is_none()) {  // (rank, count, batched per input): see Kernel::row_count
+        auto [rank, count, batched] =
+            rows.cast<std::tuple<int, int64_t, std::vector<bool>>>();
+        kernel->row_rank = rank;
+        kernel->row_count = count;
+        kernel->row_batched = std::move(batched);
+      }
     }
     return jaxdecl::RegisterKernel(std::move(kernel));
   }, py::arg("fingerprint_hi"), py::arg("fingerprint_lo"), py::arg("name"),
         py::arg("call"), py::arg("on_escape"), py::arg("instance_ref"),
         py::arg("direct") = py::none(), py::arg("on_failure") = py::none(),
+        py::arg("rows") = py::none(),
         "Registers a Python host kernel until release_kernel; returns its slot.");
 
   m.def("register_c_kernel", [](int64_t hi, int64_t lo, std::string name,

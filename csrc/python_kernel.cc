@@ -12,6 +12,7 @@
 
 #include "errors.h"
 #include "kernels.h"
+#include "rows.h"
 #include "views.h"
 
 namespace jaxdecl {
@@ -61,36 +62,41 @@ PyObject* CallKernel(const Kernel& kernel, PyObject* inputs, PyObject* outputs,
   return PyObject_Vectorcall(kernel.call, args, 3, nullptr);
 }
 
+constexpr Py_ssize_t kMaxStack = 64;  // positional arguments a direct call passes
+
+PyObject* OutName() {
+  static PyObject* out_name = Py_BuildValue("(s)", "out");  // never freed
+  return out_name;
+}
+
 // Calls kernel.direct([instance,] *inputs, out=outputs[0]); returns None, or
 // the message on_failure made of what went wrong (null: on_failure failed).
 PyObject* CallDirect(const Kernel& kernel, PyObject* inputs, PyObject* outputs,
                      bool eager) {
-  static PyObject* out_name = Py_BuildValue("(s)", "out");  // never freed
-  constexpr Py_ssize_t kMaxStack = 16;
   Py_ssize_t n_in = PyTuple_GET_SIZE(inputs);
   if (n_in + 2 > kMaxStack || PyTuple_GET_SIZE(outputs) != 1) {
     return CallKernel(kernel, inputs, outputs, eager);
   }
   PyObject* argv[kMaxStack];
   Py_ssize_t nargs = 0;
-  PyObject* instance = nullptr;  // a new reference, or null
+  PyObject* instance = kernel.Instance();  // a new reference, or null
   if (kernel.instance_ref != nullptr) {
-#if PY_VERSION_HEX >= 0x030D0000
-    if (PyWeakref_GetRef(kernel.instance_ref, &instance) <= 0) PyErr_Clear();
-#else
-    instance = PyWeakref_GetObject(kernel.instance_ref);
-    if (instance == Py_None) instance = nullptr;
-    Py_XINCREF(instance);
-#endif
     if (instance == nullptr) return CallKernel(kernel, inputs, outputs, eager);
     argv[nargs++] = instance;
   }
   for (Py_ssize_t i = 0; i < n_in; ++i) argv[nargs++] = PyTuple_GET_ITEM(inputs, i);
   argv[nargs] = PyTuple_GET_ITEM(outputs, 0);
-  PyObject* result = PyObject_Vectorcall(kernel.direct, argv, nargs, out_name);
+  PyObject* result = PyObject_Vectorcall(kernel.direct, argv, nargs, OutName());
   Py_XDECREF(instance);
   if (result == Py_None) return result;
   return HandBackFailure(kernel, result, inputs, outputs, eager);
+}
+
+// The message of what CallDirect or CallKernel returned; "" for None.
+std::string ErrorOf(PyObject* result) {
+  if (result == nullptr) return FetchPythonError();
+  if (result == Py_None) return {};
+  return MessageOf(result, "jaxdecl: a host kernel returned a non-string");
 }
 
 // Wraps (or re-points, with `call.cache`) the views, calls the kernel and
@@ -119,15 +125,17 @@ std::string RunWithViews(const Kernel& kernel, const Call& call) {
     cache->busy = true;  // only the run that reuses the views releases them
   }
   if (outputs != nullptr) {
-    PyObject* result = kernel.direct != nullptr
-                           ? CallDirect(kernel, inputs, outputs, call.eager)
-                           : CallKernel(kernel, inputs, outputs, call.eager);
-    if (result == nullptr) {
-      error = FetchPythonError();
-    } else if (result != Py_None) {
-      error = MessageOf(result, "jaxdecl: a host kernel returned a non-string");
+    bool rows = kernel.row_count >= 0;  // a looped batch (rows.h)
+    if (rows && RowsFit(kernel, inputs, outputs)) {
+      error = RunRows(kernel, inputs, outputs, call.eager);
+    } else {
+      // A looped kernel that does not fit runs its loop in Python.
+      PyObject* result = kernel.direct != nullptr && !rows
+                             ? CallDirect(kernel, inputs, outputs, call.eager)
+                             : CallKernel(kernel, inputs, outputs, call.eager);
+      error = ErrorOf(result);
+      Py_XDECREF(result);
     }
-    Py_XDECREF(result);
     // An escape outranks the rule's own error: that error may be what holds
     // the view (an exception carrying its output).
     std::string escaped = CheckEscapes(kernel, inputs, outputs, error, call.eager);

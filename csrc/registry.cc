@@ -39,6 +39,19 @@ Registry& registry() {
 
 }  // namespace
 
+PyObject* Kernel::Instance() const {
+  if (instance_ref == nullptr) return nullptr;
+  PyObject* instance = nullptr;
+#if PY_VERSION_HEX >= 0x030D0000
+  if (PyWeakref_GetRef(instance_ref, &instance) < 0) PyErr_Clear();
+#else
+  instance = PyWeakref_GetObject(instance_ref);
+  if (instance == Py_None) instance = nullptr;
+  Py_XINCREF(instance);
+#endif
+  return instance;
+}
+
 bool Kernel::Alive() const {
   if (instance_ref == nullptr) return true;
 #if PY_VERSION_HEX >= 0x030D0000
@@ -59,6 +72,7 @@ Kernel::~Kernel() {
   }
   if (!Py_IsInitialized()) return;  // at exit: nothing left to release
   PyGILState_STATE gil = PyGILState_Ensure();
+  eager_views.Clear();
   Py_XDECREF(call);
   Py_XDECREF(on_escape);
   Py_XDECREF(keepalive);

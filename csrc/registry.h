@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "jaxdecl.h"
 
@@ -29,6 +30,25 @@ struct Fingerprint {
   uint64_t lo = 0;
   bool operator==(const Fingerprint& other) const {
     return hi == other.hi && lo == other.lo;
+  }
+};
+
+// The views a kernel handed to its rule last time (at one compiled call site,
+// or on the eager path), kept for the next run: XLA's buffers move between runs but keep their shapes and types,
+// so pointing the same arrays at the new buffers replaces allocating two
+// tuples and their arrays per call.  A view is reused only when nothing else
+// holds it (the escape check proved that) and it is exactly as it was made:
+// a rule may reshape a view in place (`x.shape = ...`) or change its flags.
+// Touched with the GIL held; `busy` while a run uses them (a rule that
+// releases the GIL can let another device run the same site meanwhile).
+struct ViewCache {
+  PyObject* inputs = nullptr;   // tuples owned by the cache
+  PyObject* outputs = nullptr;
+  bool busy = false;
+
+  void Clear() {
+    Py_CLEAR(inputs);
+    Py_CLEAR(outputs);
   }
 };
 
@@ -48,8 +68,20 @@ struct Kernel {
   // when it raises or returns something.
   PyObject* direct = nullptr;
   PyObject* on_failure = nullptr;
+  // batch="loop" with `direct`: the dispatcher calls direct once per row of
+  // the leading `row_rank` dimensions (row_count rows) on views it re-points
+  // per row; row_batched[i] says whether input i has those dimensions (else
+  // every row sees all of it).  row_count < 0: not looped.
+  int64_t row_count = -1;
+  int row_rank = 0;
+  std::vector<bool> row_batched;
+  // The eager path's views (its shapes are the kernel's own).  GIL held.
+  mutable ViewCache eager_views;
   // False once the op the kernel calls is gone.  GIL held.
   bool Alive() const;
+  // The op the kernel calls (a new reference); null when it has none or it is
+  // gone.  GIL held.
+  PyObject* Instance() const;
   ~Kernel();
 };
 

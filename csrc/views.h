@@ -95,25 +95,6 @@ PyObject* WrapAll(const Buffers& buffers, bool writable, int drop,
   return tuple;
 }
 
-// The views one compiled call site handed to its rule last time, kept for the
-// next run: XLA's buffers move between runs but keep their shapes and types,
-// so pointing the same arrays at the new buffers replaces allocating two
-// tuples and their arrays per call.  A view is reused only when nothing else
-// holds it (the escape check proved that) and it is exactly as it was made:
-// a rule may reshape a view in place (`x.shape = ...`) or change its flags.
-// Touched with the GIL held; `busy` while a run uses them (a rule that
-// releases the GIL can let another device run the same site meanwhile).
-struct ViewCache {
-  PyObject* inputs = nullptr;   // tuples owned by the cache
-  PyObject* outputs = nullptr;
-  bool busy = false;
-
-  void Clear() {
-    Py_CLEAR(inputs);
-    Py_CLEAR(outputs);
-  }
-};
-
 // Points every view of `tuple` at the matching buffer; false (nothing
 // changed that matters) if any view is no longer as WrapBuffer made it.
 template <typename Buffers>

@@ -198,7 +198,7 @@ def apply_op(instance, *args, **kwargs):
     else:
         call = handle.eager_calls.get(tuple(key))
         if call is not None:
-            pin = call.kernel.pin()  # held until the call returns: the op stays alive
+            pin = call.pin()  # held until the call returns: the op stays alive
             if pin is not None:
                 return _eager.run(call, args)
     if _eager.spans_devices(args):

@@ -183,8 +183,36 @@ def sharded_aval(shape, dtype, mesh, spec, varying=frozenset()):
 
 #: True while no JAX trace is active (jit, vmap, grad, scan, eval_shape, ...).
 #: Arguments alone cannot tell: a constant passed to an op inside ``jit`` is a
-#: NumPy array, yet the op must be staged into the trace, not run.
-not_tracing = _core.trace_state_clean
+#: NumPy array, yet the op must be staged into the trace, not run. Every eager
+#: call asks: see :func:`_not_tracing_function` for the fastest form this JAX allows.
+def _not_tracing_function():
+    """``trace_state_clean``, or the same test with fewer Python frames.
+
+    JAX >= 0.10 keeps the trace and the axis environment in two thread-local
+    states that ``TracingContext.is_top_level`` reads through two properties;
+    reading them directly halves the cost. Used only where the code of those
+    properties still reads what this function reads.
+    """
+    context = getattr(_core, "TracingContext", None)
+    try:
+        reads = (set(context.is_top_level.__code__.co_names),
+                 set(context.trace.fget.__code__.co_names),
+                 set(context.axis_env.fget.__code__.co_names))
+        trace_state, axis_state = _core.trace_state_strong_ref, _core.axis_env_state
+        top_trace, top_axis_env = _core.eval_trace, _core.top_axis_env
+    except AttributeError:
+        return _core.trace_state_clean
+    if reads != ({"trace", "eval_trace", "axis_env", "top_axis_env"},
+                 {"trace_state_strong_ref", "value"}, {"axis_env_state", "value"}):
+        return _core.trace_state_clean
+
+    def not_tracing() -> bool:
+        return trace_state.value is top_trace and axis_state.value is top_axis_env
+
+    return not_tracing
+
+
+not_tracing = _not_tracing_function()
 
 
 def hold_weakly_in_caches(cls) -> None:

@@ -14,7 +14,8 @@ def register_kernel(fingerprint_hi: int, fingerprint_lo: int, name: str,
                     call: Callable[[tuple, tuple, bool], str | None],
                     on_escape: Callable[[bool, int, str | None, bool], str],
                     instance_ref: Any, direct: Callable[..., None] | None = None,
-                    on_failure: Callable[..., str] | None = None) -> int:
+                    on_failure: Callable[..., str] | None = None,
+                    rows: tuple[int, int, list[bool]] | None = None) -> int:
     """Registers a host kernel until release_kernel; returns its slot (>= 1).
 
     With `direct` (a zero-copy rule taking ``[instance,] *inputs, out=output``)

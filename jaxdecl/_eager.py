@@ -103,11 +103,13 @@ def sharded_executable(mesh, p: _Plan, once: bool, have: tuple, want: tuple, out
 class Call:
     """One kernel ready to run eagerly: its slot operand, result signature and caller."""
 
-    __slots__ = ("kernel", "slot", "out_avals", "single", "rebuild", "caller", "nests")
+    __slots__ = ("kernel", "pin", "slot", "out_avals", "single", "rebuild", "caller", "nests")
 
     def __init__(self, kernel: _runtime.Kernel, out_avals: tuple, single: bool,
                  rebuild=None, caller=None):
         self.kernel = kernel
+        # `kernel.pin` without its frame: every eager call takes the pin.
+        self.pin = _pinned if kernel.instance_ref is None else kernel.instance_ref
         self.slot = kernel.slot_operand()
         self.out_avals = out_avals
         self.single = single  # return the one result bare, not in a list
@@ -115,6 +117,11 @@ class Call:
         # A per-shard caller has no copies for nested calls (see _nested).
         self.nests = caller is None
         self.caller = executable(out_avals) if caller is None else caller
+
+
+def _pinned():
+    """The pin of a kernel that holds its op strongly (or has none)."""
+    return True
 
 
 def run(call: Call, operands):

@@ -66,12 +66,9 @@ def _weak_or_strong_key(instance, by_identity: bool):
 _slot_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # class -> names
 
 
-def attributes(instance) -> dict | None:
-    """The instance's configuration: its ``__dict__`` and the ``__slots__`` it has set."""
-    cls = type(instance)
+def slot_names(cls) -> tuple:
+    """The (mangled) names of every ``__slots__`` entry of `cls` and its bases."""
     names = _slot_names.get(cls)
-    if names == ():  # the common case: no __slots__, the __dict__ is the configuration
-        return getattr(instance, "__dict__", None)
     if names is None:
         names = []
         for klass in cls.__mro__:
@@ -83,6 +80,12 @@ def attributes(instance) -> dict | None:
                     name = f"_{klass.__name__.lstrip('_')}{name}"  # name mangling
                 names.append(name)
         names = _slot_names[cls] = tuple(names)
+    return names
+
+
+def attributes(instance) -> dict | None:
+    """The instance's configuration: its ``__dict__`` and the ``__slots__`` it has set."""
+    names = slot_names(type(instance))
     attributes = getattr(instance, "__dict__", None)
     if not names:
         return attributes

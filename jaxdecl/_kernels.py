@@ -141,6 +141,18 @@ def _streams(x, count: int, nb: int, batched: bool):
     return map(flat.__getitem__, zip(range(count), itertools.repeat(Ellipsis)))
 
 
+def _rows(batch_shape: tuple, in_shapes) -> list[bool] | None:
+    """Per operand, whether it has every batch dim (else it has none: all 1); None if mixed.
+
+    Then the batch flattens into rows: an operand advances one row per call
+    or stays put.
+    """
+    nb = len(batch_shape)
+    full = [tuple(shape[:nb]) == tuple(batch_shape) for shape in in_shapes]
+    none = [all(n == 1 for n in shape[:nb]) and not f for shape, f in zip(in_shapes, full)]
+    return full if all(f or n for f, n in zip(full, none)) else None
+
+
 def _loop(element, zero_copy_single: bool, batch_shape: tuple, in_shapes, context: str):
     """Runs a rule once per batch element on views (``batch="loop"``).
 
@@ -153,9 +165,8 @@ def _loop(element, zero_copy_single: bool, batch_shape: tuple, in_shapes, contex
     """
     nb = len(batch_shape)
     count = int(np.prod(batch_shape))
-    full = [tuple(shape[:nb]) == tuple(batch_shape) for shape in in_shapes]
-    none = [all(n == 1 for n in shape[:nb]) and not f for shape, f in zip(in_shapes, full)]
-    if all(f or n for f, n in zip(full, none)):
+    full = _rows(batch_shape, in_shapes)
+    if full is not None:
 
         def streams(ins, outs):
             operands = [_streams(x, count, nb, f) for x, f in zip(ins, full)]
@@ -295,35 +306,38 @@ def make_kernel(function, *, zero_copy: bool, io: RuleIO, context: str,
         _failures.detach_views(exc, ins + outs)
         return stash(_failures.explain(exc, context), context, keep=eager)
 
-    hot = run is element and zero_copy and single and not is_c
-    if hot:
-        # The hot path of an unbatched zero-copy rule. The dispatcher calls the
-        # rule itself (``kernel.direct``: ``method([instance,] *ins, out=out)``)
-        # and hands failures to ``kernel.on_failure``; `kernel` below is the
-        # same call in Python, for the dispatcher's other paths.
-        def on_failure(exc, returned, ins, outs, eager):
-            if exc is None:
-                exc = _returned_value(context, returned)
-            return fail(exc, ins, outs, eager)
+    # The direct form: the dispatcher calls the rule itself
+    # (``kernel.direct``: ``method([instance,] *ins, out=out)``), once, or once
+    # per row of a looped batch (``kernel.rows``, see csrc/rows.h), and hands
+    # failures to ``kernel.on_failure``. `kernel` below is the same call in
+    # Python, for the dispatcher's other paths.
+    direct_form = zero_copy and single and not is_c
+    hot = run is element and direct_form
+    rows = _rows(batch_shape, in_shapes) if direct_form and run is not element else None
 
-        if ref is None:
-            def kernel(ins, outs, eager):
-                try:
-                    result = method(*ins, out=outs[0])
-                    if result is not None:
-                        raise _returned_value(context, result)
-                except BaseException as exc:  # noqa: BLE001 - every error goes back to XLA
-                    return fail(exc, ins, outs, eager)
-                return None
-        else:
-            def kernel(ins, outs, eager):
-                try:
-                    result = method(ref(), *ins, out=outs[0])
-                    if result is not None:
-                        raise _returned_value(context, result)
-                except BaseException as exc:  # noqa: BLE001 - every error goes back to XLA
-                    return fail(exc, ins, outs, eager)
-                return None
+    def on_failure(exc, returned, ins, outs, eager):
+        if exc is None:
+            exc = _returned_value(context, returned)
+        return fail(exc, ins, outs, eager)
+
+    if hot and ref is None:
+        def kernel(ins, outs, eager):
+            try:
+                result = method(*ins, out=outs[0])
+                if result is not None:
+                    raise _returned_value(context, result)
+            except BaseException as exc:  # noqa: BLE001 - every error goes back to XLA
+                return fail(exc, ins, outs, eager)
+            return None
+    elif hot:
+        def kernel(ins, outs, eager):
+            try:
+                result = method(ref(), *ins, out=outs[0])
+                if result is not None:
+                    raise _returned_value(context, result)
+            except BaseException as exc:  # noqa: BLE001 - every error goes back to XLA
+                return fail(exc, ins, outs, eager)
+            return None
     elif ref is None:
         def kernel(ins, outs, eager):
             try:
@@ -339,8 +353,10 @@ def make_kernel(function, *, zero_copy: bool, io: RuleIO, context: str,
                 return fail(exc, ins, outs, eager)
             return None
 
-    if hot:
+    if hot or rows is not None:
         kernel.direct, kernel.on_failure = method, on_failure
+    if rows is not None:
+        kernel.rows = (len(batch_shape), int(np.prod(batch_shape)), rows)
 
     def on_escape(is_output: bool, index: int, pending: str | None, eager: bool) -> str:
         names = io.out_names if is_output else io.in_names

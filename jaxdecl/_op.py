@@ -56,7 +56,7 @@ from . import (
 )
 from ._cfunction import CFunction
 from ._errors import missing_rule
-from ._identity import attributes, check_static, claim_fingerprint, config_key
+from ._identity import attributes, check_static, claim_fingerprint, config_key, slot_names
 from ._layout import FORWARD, FORWARD_SAVING, TRANSPOSE, TRANSPOSE_WRT
 
 _lock = threading.RLock()
@@ -280,7 +280,11 @@ def _anchor(instance, handle: OpHandle, values) -> None:
     # method of the op would keep it alive for good); other configurations take
     # the slow path each time.
     simple = values is not None and all(_simple(v) for v in values.values())
-    _anchors[id(instance)] = (handle, dict(values) if simple else None)
+    # The class, when its instances' __dict__ is their whole configuration: then
+    # handle_of reads that dict directly (see attributes).
+    cls = type(instance)
+    plain = cls if not slot_names(cls) and hasattr(instance, "__dict__") else None
+    _anchors[id(instance)] = (handle, dict(values) if simple else None, plain)
     if first:
         try:
             finalizer = weakref.finalize(instance, _anchors.pop, id(instance), None)
@@ -299,11 +303,13 @@ def handle_of(instance) -> OpHandle:
     common case is an instance whose attributes are the very objects its
     handle was found by: then the handle is its anchor's, with no key to build.
     """
-    values = attributes(instance)
     anchored = _anchors.get(id(instance))
-    if anchored is not None and values is not None:
-        handle, seen = anchored
-        if seen is not None and len(seen) == len(values):
+    if anchored is None:
+        values = attributes(instance)
+    else:
+        handle, seen, plain = anchored
+        values = instance.__dict__ if type(instance) is plain else attributes(instance)
+        if seen is not None and values is not None and len(seen) == len(values):
             # A plain loop: this runs on every eager call, and a generator costs more.
             for name, value in seen.items():
                 if values.get(name, _MISSING) is not value:

@@ -199,7 +199,8 @@ def register(fingerprint: tuple, name: str, kernel, on_escape, instance_ref) -> 
     hi, lo = fingerprint
     slot = _dispatch.register_kernel(hi, lo, name, kernel, on_escape, instance_ref,
                                      getattr(kernel, "direct", None),
-                                     getattr(kernel, "on_failure", None))
+                                     getattr(kernel, "on_failure", None),
+                                     getattr(kernel, "rows", None))
     return Kernel(slot, fingerprint, name, instance_ref)
 
 

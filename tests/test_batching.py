@@ -725,3 +725,106 @@ def test_loop_over_scalar_elements_keeps_no_plan():
         return min(times)
 
     assert best(scalar, xs) < 3 * best(rows, xr)
+
+
+# ---------------------------------------------------------------------------
+# Looped rows: the dispatcher re-points one view per operand from row to row
+# ---------------------------------------------------------------------------
+
+
+class RowRule(jd.Primitive):
+    """out = x * y + x.sum(), one row at a time; `how` makes a row misbehave."""
+
+    def __init__(self, how=None, at=2):
+        self.how, self.at = how, at
+        self.row = 0
+
+    @jd.abstract
+    def shapes(self, x, y):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x, y, *, out):
+        row, self.row = self.row, self.row + 1
+        if self.how == "reshape":  # in place: the next row must still see (2, 3)
+            assert x.shape == (2, 3) and out.shape == (2, 3)
+            x.shape = y.shape = out.shape = (6,)
+        np.multiply(x, y, out=out)
+        out += x.sum()
+        if row != self.at:
+            return None
+        if self.how == "keep":
+            _kept_rows.append(out[:1])
+        elif self.how == "raise":
+            raise NotConvergedRow("row stalled", out)
+        elif self.how == "return":
+            return out.copy()
+        return None
+
+
+_kept_rows = []
+
+
+class NotConvergedRow(Exception):
+    def __init__(self, message, residual):
+        super().__init__(message, residual)
+        self.residual = residual
+
+
+def _row_ref(x, y):
+    return x * y + x.sum(axis=tuple(range(-2, 0)), keepdims=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + ["complex128"])
+@pytest.mark.parametrize("in_axes", [(0, 0), (0, None), (None, 0)])
+@pytest.mark.parametrize("jit", [False, True])
+def test_loop_rows_see_their_own_element(dtype, in_axes, jit):
+    rng = np.random.default_rng(11)
+    x = _random(rng, (5, 2, 3) if in_axes[0] == 0 else (2, 3), dtype)
+    y = _random(rng, (5, 2, 3) if in_axes[1] == 0 else (2, 3), dtype)
+    f = jax.vmap(RowRule(), in_axes=in_axes)
+    y_got = (jax.jit(f) if jit else f)(x, y)
+    xb, yb = np.broadcast_to(x, (5, 2, 3)), np.broadcast_to(y, (5, 2, 3))
+    _close(y_got, _row_ref(xb, yb), dtype)
+
+
+def test_loop_rows_over_two_batch_dims_and_runs_after_runs():
+    rng = np.random.default_rng(12)
+    f = jax.jit(jax.vmap(jax.vmap(RowRule(), in_axes=(0, None)), in_axes=(0, 0)))
+    for _ in range(3):  # the compiled site re-points its views run after run
+        x, y = rng.standard_normal((4, 3, 2, 3)), rng.standard_normal((4, 2, 3))
+        _close(f(x, y), _row_ref(x, y[:, None]), "float64")
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_loop_row_reshaped_in_place_is_not_reused(jit):
+    rng = np.random.default_rng(13)
+    x, y = rng.standard_normal((4, 2, 3)), rng.standard_normal((4, 2, 3))
+    f = jax.vmap(RowRule("reshape"))
+    _close((jax.jit(f) if jit else f)(x, y), _row_ref(x, y), "float64")
+
+
+def test_loop_row_kept_by_the_rule_is_an_escape():
+    x = jnp.ones((4, 2, 3))
+    try:
+        with pytest.raises(jd.BufferEscapeError,
+                           match=r"RowRule\.apply \(@forward\) kept a reference to output"):
+            jax.block_until_ready(jax.vmap(RowRule("keep"))(x, x))
+    finally:
+        _kept_rows.clear()
+    _close(jax.vmap(RowRule())(x, x), _row_ref(np.ones((4, 2, 3)), 1.0), "float64")
+
+
+def test_loop_row_exception_keeps_its_type_and_a_copy_of_its_row():
+    x = jnp.arange(24.0).reshape(4, 2, 3)
+    with pytest.raises(NotConvergedRow, match="row stalled") as info:
+        jax.vmap(RowRule("raise", at=2))(x, x)
+    residual = info.value.residual
+    assert residual.flags.owndata or residual.base.flags.owndata
+    _close(residual, _row_ref(np.asarray(x), np.asarray(x))[2], "float64")
+
+
+def test_loop_row_returning_a_value_names_the_rule():
+    x = jnp.ones((3, 2, 3))
+    with pytest.raises(jd.RuleError, match=r"RowRule\.apply \(@forward\) takes `out`"):
+        jax.vmap(RowRule("return", at=1))(x, x)

@@ -462,3 +462,73 @@ def test_compiled_call_site_views_follow_each_run(cls):
         kept.append((np.asarray(x), y))  # earlier results stay right as new runs come
         for old_x, old_y in kept:
             np.testing.assert_array_equal(np.asarray(old_y), factor * old_x)
+
+
+def _many_inputs_op(n, keep=None):
+    """An op with inputs x0..x{n-1}: out = sum(x) * 2; keeps input `keep` if given."""
+    import inspect
+
+    kept = []
+
+    def shapes(self, *xs):
+        return jax.ShapeDtypeStruct(xs[0].shape, xs[0].dtype)
+
+    def apply(self, *xs, out):
+        np.multiply(sum(xs), 2, out=out)
+        if keep is not None:
+            kept.append(xs[keep])
+
+    params = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+              for name in ["self"] + [f"x{i}" for i in range(n)]]
+    out = inspect.Parameter("out", inspect.Parameter.KEYWORD_ONLY)
+    shapes.__signature__ = inspect.Signature(params)
+    apply.__signature__ = inspect.Signature([*params, out])
+    cls = type(f"Sum{n}", (jd.Primitive,), {"shapes": jd.abstract(shapes),
+                                            "apply": jd.forward(apply)})
+    return cls(), kept
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 40, 70])  # the dispatcher calls up to 62 directly
+def test_many_inputs_call_the_rule_directly_or_through_python(n):
+    xs = [jnp.arange(5.0) + i for i in range(n)]
+    expected = 2 * sum(np.asarray(x) for x in xs)
+    op, _ = _many_inputs_op(n)
+    np.testing.assert_allclose(op(*xs), expected)
+    f = jax.jit(op)
+    for _ in range(2):  # the second run reuses the call site's views
+        np.testing.assert_allclose(f(*xs), expected)
+    rows = jax.jit(jax.vmap(op))(*[jnp.stack([x, 2 * x]) for x in xs])
+    np.testing.assert_allclose(rows, np.stack([expected, 2 * expected]))
+
+
+@pytest.mark.parametrize("n", [40, 70])
+def test_many_inputs_kept_view_names_its_input(n):
+    op, kept = _many_inputs_op(n, keep=n - 3)
+    xs = [jnp.arange(5.0) + i for i in range(n)]
+    with pytest.raises(jd.BufferEscapeError, match=rf"kept a reference to x{n - 3} "):
+        op(*xs)
+    kept.clear()
+
+
+def test_not_tracing_agrees_with_jax_in_every_context():
+    # The eager path asks on every call, through the fastest form this JAX allows.
+    from jax._src import core
+
+    from jaxdecl import _compat
+
+    seen = []
+
+    def probe(x):
+        seen.append((_compat.not_tracing(), core.trace_state_clean()))
+        return x
+
+    probe(1.0)
+    jax.jit(probe)(1.0)
+    jax.vmap(probe)(jnp.ones(2))
+    jax.grad(probe)(1.0)
+    jax.eval_shape(lambda x: probe(x), 1.0)  # probe's own trace is cached from jit
+    jax.lax.scan(lambda c, x: (probe(c), x), 0.0, jnp.ones(2))
+    jax.grad(jax.checkpoint(probe))(1.0)
+    assert seen[0] == (True, True)
+    assert all(ours == theirs for ours, theirs in seen) and len(seen) == 7
+    assert not any(ours for ours, _ in seen[1:])

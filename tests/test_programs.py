@@ -10,13 +10,15 @@ op applications mixed with ``jax.numpy`` and 0-3 nested transforms (``jit``, ``g
 The default run checks a fixed sample of draws; ``pytest -m generated_programs`` checks
 ``JAXDECL_PROGRAM_DRAWS`` of them (default 2000). The draws of a group (``GROUPS``) run in
 one subprocess (two for the "processes" group; a fresh one every 100 draws), so JAX starts
-a few times. A failing draw is listed with its failure class, the command that re-runs it
+a few times; ``JAXDECL_PROGRAM_WORKERS`` (default: 2, or 1 on one core) such series run
+side by side. A failing draw is listed with its failure class, the command that re-runs it
 verbosely and prints it as a standalone script, and a one-line rendering of the program.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import functools
 import hashlib
@@ -40,6 +42,7 @@ SAMPLE = range(100)
 DRAWS = int(os.environ.get("JAXDECL_PROGRAM_DRAWS", "2000"))
 DRAW_TIMEOUT = 300  # seconds one draw may take before its process is killed (a hang)
 PER_PROCESS = 100  # draws per process: compiled programs pile up (about 1 GB per 100)
+WORKERS = int(os.environ.get("JAXDECL_PROGRAM_WORKERS", min(2, os.cpu_count() or 1)))
 
 
 def _free_port() -> int:
@@ -141,19 +144,33 @@ def _read(stream, index: int, lines: queue.Queue) -> None:
     lines.put((index, None))
 
 
+def _run_share(seeds: list, processes: int) -> dict:
+    """Runs `seeds` in a series of fresh processes (see :func:`run_draws`)."""
+    results = {}
+    pending = list(seeds)
+    while pending:
+        found, stopped = _stream(pending[:PER_PROCESS], processes)
+        results.update(found)
+        if stopped is not None:
+            results[stopped["seed"]] = stopped
+        pending = [s for s in pending if s not in results]
+    return results
+
+
 def run_draws(seeds) -> dict:
     """{seed: {"outcome", "detail", "seconds", "cpu"}}; a draw that kills or hangs its
     process(es) is an error (a skip if its twin did it), and the draws after it run in
-    fresh ones. Draws of the "processes" group run in two processes, the others in one."""
+    fresh ones. Draws of the "processes" group run in two processes, the others in one,
+    ``WORKERS`` series of them side by side (a draw is mostly one busy thread)."""
     results = {}
     for processes in (1, 2):
         pending = [s for s in seeds if draw(s).processes == processes]
-        while pending:
-            found, stopped = _stream(pending[:PER_PROCESS], processes)
-            results.update(found)
-            if stopped is not None:
-                results[stopped["seed"]] = stopped
-            pending = [s for s in pending if s not in results]
+        # Draws over two processes already keep two cores busy.
+        workers = WORKERS if processes == 1 else 1
+        shares = [pending[i::workers] for i in range(workers) if pending[i::workers]]
+        with concurrent.futures.ThreadPoolExecutor(max(len(shares), 1)) as pool:
+            for found in pool.map(_run_share, shares, [processes] * len(shares)):
+                results.update(found)
     return results
 
 
