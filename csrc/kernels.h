@@ -29,6 +29,13 @@ struct Call {
   int drop;          // trailing dimensions of every buffer the rule does not see
 };
 
+// The most positional arguments a direct rule call passes ([instance,]
+// inputs, output); a rule with more inputs is called through its kernel.
+constexpr Py_ssize_t kMaxDirectArgs = 64;
+
+// ("out",): the keyword names of a direct rule call.  GIL held.
+PyObject* OutKeyword();
+
 // Calls a Python kernel as kernel(inputs, outputs, eager) (or its direct
 // form), taking the GIL.
 std::string RunPythonKernel(const Kernel& kernel, const Call& call);

@@ -62,22 +62,15 @@ PyObject* CallKernel(const Kernel& kernel, PyObject* inputs, PyObject* outputs,
   return PyObject_Vectorcall(kernel.call, args, 3, nullptr);
 }
 
-constexpr Py_ssize_t kMaxStack = 64;  // positional arguments a direct call passes
-
-PyObject* OutName() {
-  static PyObject* out_name = Py_BuildValue("(s)", "out");  // never freed
-  return out_name;
-}
-
 // Calls kernel.direct([instance,] *inputs, out=outputs[0]); returns None, or
 // the message on_failure made of what went wrong (null: on_failure failed).
 PyObject* CallDirect(const Kernel& kernel, PyObject* inputs, PyObject* outputs,
                      bool eager) {
   Py_ssize_t n_in = PyTuple_GET_SIZE(inputs);
-  if (n_in + 2 > kMaxStack || PyTuple_GET_SIZE(outputs) != 1) {
+  if (n_in + 2 > kMaxDirectArgs || PyTuple_GET_SIZE(outputs) != 1) {
     return CallKernel(kernel, inputs, outputs, eager);
   }
-  PyObject* argv[kMaxStack];
+  PyObject* argv[kMaxDirectArgs];
   Py_ssize_t nargs = 0;
   PyObject* instance = kernel.Instance();  // a new reference, or null
   if (kernel.instance_ref != nullptr) {
@@ -86,7 +79,7 @@ PyObject* CallDirect(const Kernel& kernel, PyObject* inputs, PyObject* outputs,
   }
   for (Py_ssize_t i = 0; i < n_in; ++i) argv[nargs++] = PyTuple_GET_ITEM(inputs, i);
   argv[nargs] = PyTuple_GET_ITEM(outputs, 0);
-  PyObject* result = PyObject_Vectorcall(kernel.direct, argv, nargs, OutName());
+  PyObject* result = PyObject_Vectorcall(kernel.direct, argv, nargs, OutKeyword());
   Py_XDECREF(instance);
   if (result == Py_None) return result;
   return HandBackFailure(kernel, result, inputs, outputs, eager);
@@ -182,6 +175,11 @@ bool OnWorkerThread() {
 }
 
 }  // namespace
+
+PyObject* OutKeyword() {
+  static PyObject* names = Py_BuildValue("(s)", "out");  // never freed
+  return names;
+}
 
 // `eager` calls come from the eager path, whose caller pins the op; compiled
 // call sites pin it themselves (see CallSite).

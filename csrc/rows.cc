@@ -3,12 +3,11 @@
 #include "rows.h"
 
 #include "errors.h"
+#include "kernels.h"
 #include "views.h"
 
 namespace jaxdecl {
 namespace {
-
-constexpr Py_ssize_t kMaxStack = 64;  // positional arguments one call passes
 
 PyArrayObject* AsArray(PyObject* object) {
   return reinterpret_cast<PyArrayObject*>(object);
@@ -68,8 +67,8 @@ struct RowSide {
   PyObject* whole;    // borrowed: the call's tuple of whole-batch views
   PyObject* rows;     // owned: a tuple of row views
   bool writable;
-  char* data[kMaxStack];
-  npy_intp step[kMaxStack];  // bytes from one row to the next; 0: not batched
+  char* data[kMaxDirectArgs];
+  npy_intp step[kMaxDirectArgs];  // bytes from one row to the next; 0: not batched
 };
 
 bool MakeRows(RowSide& side, const Kernel& kernel, const bool* batched) {
@@ -107,7 +106,7 @@ bool MoveTo(RowSide& side, const Kernel& kernel, npy_intp row) {
 
 bool RowsFit(const Kernel& kernel, PyObject* inputs, PyObject* outputs) {
   Py_ssize_t n_in = PyTuple_GET_SIZE(inputs);
-  if (n_in + 2 > kMaxStack || PyTuple_GET_SIZE(outputs) != 1 ||
+  if (n_in + 2 > kMaxDirectArgs || PyTuple_GET_SIZE(outputs) != 1 ||
       static_cast<size_t>(n_in) != kernel.row_batched.size()) {
     return false;
   }
@@ -124,12 +123,11 @@ bool RowsFit(const Kernel& kernel, PyObject* inputs, PyObject* outputs) {
 
 std::string RunRows(const Kernel& kernel, PyObject* inputs, PyObject* outputs,
                     bool eager) {
-  static PyObject* out_name = Py_BuildValue("(s)", "out");  // never freed
   PyObject* instance = kernel.Instance();  // a new reference, or null
   if (kernel.instance_ref != nullptr && instance == nullptr) {
     return "jaxdecl: " + kernel.name + ": the op was deleted";
   }
-  bool in_batched[kMaxStack];
+  bool in_batched[kMaxDirectArgs];
   for (size_t i = 0; i < kernel.row_batched.size(); ++i) in_batched[i] = kernel.row_batched[i];
   const bool out_batched[] = {true};
   RowSide in{inputs, nullptr, false, {}, {}};
@@ -138,7 +136,7 @@ std::string RunRows(const Kernel& kernel, PyObject* inputs, PyObject* outputs,
   bool made = MakeRows(in, kernel, in_batched) && MakeRows(out, kernel, out_batched);
   if (!made) error = FetchPythonError();
   bool escape_checked = false;  // `error` already says what a kept view would
-  PyObject* argv[kMaxStack];
+  PyObject* argv[kMaxDirectArgs];
   Py_ssize_t first = instance != nullptr ? 1 : 0;
   argv[0] = instance;
   Py_ssize_t n_in = PyTuple_GET_SIZE(inputs);
@@ -149,7 +147,8 @@ std::string RunRows(const Kernel& kernel, PyObject* inputs, PyObject* outputs,
     }
     for (Py_ssize_t i = 0; i < n_in; ++i) argv[first + i] = PyTuple_GET_ITEM(in.rows, i);
     argv[first + n_in] = PyTuple_GET_ITEM(out.rows, 0);
-    PyObject* result = PyObject_Vectorcall(kernel.direct, argv, first + n_in, out_name);
+    PyObject* result =
+        PyObject_Vectorcall(kernel.direct, argv, first + n_in, OutKeyword());
     if (result != Py_None) {
       PyObject* message = HandBackFailure(kernel, result, in.rows, out.rows, eager);
       error = message == nullptr ? FetchPythonError()
