@@ -94,18 +94,34 @@ def _release_stale_references() -> None:
     """Run before an escaped view is reported: frees what only garbage still holds.
 
     JAX's own reference cycles are collected. A debugger (pdb) that stopped
-    inside the rule keeps a snapshot of the rule's locals after ``continue``,
-    until it next stops; that snapshot is stale once the rule has returned, so
-    it is dropped, and a rule can be debugged without a false escape.
+    inside the rule keeps the rule's locals after ``continue``, until it next
+    stops: a snapshot of them (``curframe_locals``; from Python 3.13 a proxy
+    that holds the rule's frame, PEP 667) and the last frame it traced
+    (``enterframe``, Python 3.13). Both are stale once the rule has returned,
+    so they are dropped, and a rule can be debugged without a false escape.
     """
     gc.collect()
     for hook in (sys.gettrace(), _sigint_handler()):
         debugger = getattr(hook, "__self__", None)
         # Only a debugger that is not stopped now (curframe None): a live
         # debugging session keeps its state.
-        if isinstance(debugger, bdb.Bdb) and getattr(debugger, "curframe", None) is None \
-                and isinstance(getattr(debugger, "curframe_locals", None), dict):
+        if not isinstance(debugger, bdb.Bdb) or getattr(debugger, "curframe", None) is not None:
+            continue
+        if getattr(debugger, "curframe_locals", None) is not None:
             debugger.curframe_locals = {}
+        entered = getattr(debugger, "enterframe", None)
+        if entered is not None and not _on_this_stack(entered):
+            debugger.enterframe = None
+
+
+def _on_this_stack(frame) -> bool:
+    """True while `frame` is still running on the calling thread."""
+    current = sys._getframe()
+    while current is not None:
+        if current is frame:
+            return True
+        current = current.f_back
+    return False
 
 
 def _sigint_handler():

@@ -416,6 +416,49 @@ def test_rule_can_be_debugged_with_pdb():
 
     np.testing.assert_array_equal(Debugged()(jnp.arange(3.0)), -np.arange(3.0))
     np.testing.assert_array_equal(jax.jit(Debugged())(jnp.arange(3.0)), -np.arange(3.0))
+    # A looped batch checks for escapes after every row: each row stops once.
+    rows = jnp.arange(6.0).reshape(2, 3)
+    np.testing.assert_array_equal(jax.vmap(Debugged())(rows), -np.asarray(rows))
+
+
+_BREAKPOINT = """
+import jax, jax.numpy as jnp, numpy as np
+import jaxdecl as jd
+
+class Debugged(jd.Primitive):
+    @jd.abstract
+    def shapes(self, x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x, *, out):
+        breakpoint()
+        np.negative(x, out=out)
+
+print("eager", Debugged()(jnp.arange(3.0)).tolist())
+print("jit", jax.jit(Debugged())(jnp.arange(3.0)).tolist())
+print("vmap", jax.vmap(Debugged())(jnp.ones((2, 3))).tolist())
+"""
+
+
+def test_rule_can_be_debugged_with_breakpoint_at_a_prompt():
+    # A user's session: breakpoint() in a rule, `p x` and `c` typed at pdb's prompt.
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    env = subprocess_env()
+    env.pop("PYTHONBREAKPOINT", None)
+    done = subprocess.run([sys.executable, "-c", _BREAKPOINT], input="p x\nc\n" * 4,
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    # `p x` printed the rule's input at each stop: twice whole, once per row of the batch.
+    assert done.stdout.count("(Pdb) array([0., 1., 2.], dtype=float32)") == 2, done.stdout
+    assert done.stdout.count("(Pdb) array([1., 1., 1.], dtype=float32)") == 2, done.stdout
+    assert "eager [-0.0, -1.0, -2.0]" in done.stdout
+    assert "jit [-0.0, -1.0, -2.0]" in done.stdout
+    assert "vmap [[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]]" in done.stdout
 
 
 def test_message_with_lone_surrogates_is_delivered():
