@@ -111,7 +111,10 @@ import jax, jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 jax.config.update("jax_use_shardy_partitioner", False)
 from helpers_seams import Scale
-mesh = jax.make_mesh((2, 2), ("x", "y"))
+# Auto axes: over Explicit ones (make_mesh's default from JAX 0.7) JAX itself checks
+# in_specs against the input's sharding type first (JAX 0.12), before the op is reached.
+Auto = jax.sharding.AxisType.Auto
+mesh = jax.make_mesh((2, 2), ("x", "y"), axis_types=(Auto, Auto))
 f = jax.jit(jax.shard_map(lambda v: Scale(2.0)(v), mesh=mesh, in_specs=P("x"),
                           out_specs=P("x"), axis_names={"x"}))
 try:
