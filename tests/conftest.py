@@ -51,6 +51,13 @@ def _splits_per_shard() -> bool:
     return _compat.SPLITS_PER_SHARD
 
 
+#: Rules that reshape a view in place (``x.shape = ...``): NumPy 2.5 deprecates it, so
+#: there the in-place changes left to a rule are its views' flags.
+RESHAPES_IN_PLACE = pytest.mark.skipif(
+    tuple(int(p) for p in np.__version__.split(".")[:2]) >= (2, 5),
+    reason="NumPy >= 2.5 deprecates setting an array's shape in place")
+
+
 #: Tests of ops running per shard under ``jit`` (custom_partitioning with Shardy's
 #: reduction and replication factors); older JAX gathers instead, with a warning.
 needs_split = pytest.mark.skipif(

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tol
+from conftest import RESHAPES_IN_PLACE, tol
 
 import jaxdecl as jd
 
@@ -749,8 +749,13 @@ class RowRule(jd.Primitive):
         if self.how == "reshape":  # in place: the next row must still see (2, 3)
             assert x.shape == (2, 3) and out.shape == (2, 3)
             x.shape = y.shape = out.shape = (6,)
+        if self.how == "flags":  # in place too: the next row must get fresh views
+            assert out.flags.writeable and x.flags.aligned
+            x.flags.aligned = y.flags.aligned = False
         np.multiply(x, y, out=out)
         out += x.sum()
+        if self.how == "flags":
+            out.flags.writeable = False
         if row != self.at:
             return None
         if self.how == "keep":
@@ -797,10 +802,11 @@ def test_loop_rows_over_two_batch_dims_and_runs_after_runs():
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_loop_row_reshaped_in_place_is_not_reused(jit):
+@pytest.mark.parametrize("how", [pytest.param("reshape", marks=RESHAPES_IN_PLACE), "flags"])
+def test_loop_row_changed_in_place_is_not_reused(how, jit):
     rng = np.random.default_rng(13)
     x, y = rng.standard_normal((4, 2, 3)), rng.standard_normal((4, 2, 3))
-    f = jax.vmap(RowRule("reshape"))
+    f = jax.vmap(RowRule(how))
     _close((jax.jit(f) if jit else f)(x, y), _row_ref(x, y), "float64")
 
 

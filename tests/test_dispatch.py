@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import subprocess_env, tol
+from conftest import RESHAPES_IN_PLACE, subprocess_env, tol
 from ops import Negate
 
 import jaxdecl as jd
@@ -436,7 +436,7 @@ def test_rules_calling_ops_of_the_same_signature_nest():
 
 
 class ReshapesItsViews(jd.Primitive):
-    """Reshapes its views in place, which NumPy allows on an array it was handed."""
+    """Reshapes its views in place, which NumPy < 2.5 allows on an array it was handed."""
 
     @jd.abstract
     def shapes(self, x):
@@ -449,12 +449,28 @@ class ReshapesItsViews(jd.Primitive):
         np.multiply(x, 3.0, out=out)
 
 
-@pytest.mark.parametrize("cls", [ReshapesItsViews, Negate], ids=["reshaping", "plain"])
+class FlagsItsViews(jd.Primitive):
+    """Changes its views' flags in place: the input unaligned, the output read-only."""
+
+    @jd.abstract
+    def shapes(self, x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x, *, out):
+        assert out.flags.writeable and x.flags.aligned  # a fresh view each run
+        x.flags.aligned = False
+        np.multiply(x, 3.0, out=out)
+        out.flags.writeable = False
+
+
+@pytest.mark.parametrize("cls", [pytest.param(ReshapesItsViews, marks=RESHAPES_IN_PLACE),
+                                 FlagsItsViews, Negate], ids=["reshaping", "flags", "plain"])
 def test_compiled_call_site_views_follow_each_run(cls):
     # A compiled call site reuses its NumPy views from run to run, pointed at
     # the new buffers; a view the rule changed is never reused as it is.
     f = jax.jit(cls())
-    factor = 3.0 if cls is ReshapesItsViews else -1.0
+    factor = -1.0 if cls is Negate else 3.0
     kept = []
     for i in range(6):
         x = jnp.full((2, 3), float(i)) + jnp.arange(6.0).reshape(2, 3)

@@ -31,7 +31,8 @@ def _public_objects():
             yield name, obj
 
 
-@pytest.mark.parametrize("name, obj", list(_public_objects()), ids=lambda v: str(v)[:30])
+@pytest.mark.parametrize("name, obj", [pytest.param(name, obj, id=name)
+                                       for name, obj in _public_objects()])
 def test_every_public_name_has_an_example_that_the_doctests_run(name, obj):
     module = importlib.import_module(obj.__module__)
     found = {test.name: test for test in doctest.DocTestFinder().find(module)}
