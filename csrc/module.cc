@@ -69,6 +69,10 @@ PYBIND11_MODULE(_dispatch, m) {
   if (_import_array() < 0) throw py::error_already_set();
   if (!jaxdecl::Initialize()) throw py::error_already_set();
 
+  // The XLA FFI API version of the headers the dispatcher is built against
+  // (csrc/third_party): a jaxlib accepts it while it is within its supported range.
+  m.attr("FFI_API_VERSION") = py::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
+
   m.def("registrations", []() {
     py::dict targets, compiled;
     compiled["instantiate"] =

@@ -3,6 +3,9 @@
 from collections.abc import Callable
 from typing import Any
 
+#: ``(major, minor)``: the XLA FFI API version of the headers the dispatcher is built against.
+FFI_API_VERSION: tuple[int, int]
+
 def registrations() -> dict[str, Any]:
     """FFI targets to pass to jax.ffi.register_ffi_target on 'cpu': a PyCapsule, or a dict
     of PyCapsules by execution stage ('instantiate', 'execute')."""
