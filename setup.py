@@ -8,8 +8,12 @@ against jaxlib, and one build loads next to every supported JAX.
 import glob
 
 import numpy
-from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
+
+# The sources compile in parallel, one job per core (NPY_NUM_BUILD_JOBS overrides):
+# a release builds one wheel per Python.
+ParallelCompile("NPY_NUM_BUILD_JOBS").install()
 
 dispatch = Pybind11Extension(
     "jaxdecl._dispatch",
