@@ -40,6 +40,9 @@ def subprocess_env(**variables) -> dict:
 
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(jaxdecl.__file__)))
     env = dict(os.environ, **variables)
+    # As in this process (pyproject.toml's filterwarnings): a deprecation is an error.
+    env["PYTHONWARNINGS"] = ",".join(
+        w for w in (env.get("PYTHONWARNINGS"), "error::DeprecationWarning") if w)
     env["PYTHONPATH"] = os.pathsep.join(
         [package_parent] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return env
