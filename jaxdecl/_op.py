@@ -65,7 +65,10 @@ _anchors: dict = {}  # id(instance) -> (its handle, its attributes then), while 
 _unanchorable: list = []  # instances that cannot be weakly referenced: kept for good
 
 # Bumped whenever the operand/result order a kernel sees changes: part of
-# every kernel fingerprint, so that old serialized executables are refused.
+# every kernel fingerprint, so that no program compiled against another order
+# finds a live kernel by name. Bump _recipes.FORMAT with it: a program's recipe
+# would otherwise rebuild a kernel of this order for it (tests/test_recipes.py
+# pins the pair).
 _KERNEL_ABI = "jaxdecl-kernel-1"
 
 

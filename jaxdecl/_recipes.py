@@ -49,7 +49,12 @@ from ._op import BoundOp, handle_of
 from ._runtime import SPLIT_TARGET, TARGET
 from ._version import __version__ as VERSION
 
-#: Bumped whenever a recipe's fields or encoding change.
+#: The recipe format this jaxdecl writes, and the only one it reads (the rule is
+#: in docs/concepts/saving.md). Bumped when what a recipe holds or how its values
+#: are encoded changes (a field, a value tag, even an added one), and with every
+#: change of the kernel ABI (``_op._KERNEL_ABI``): a recipe rebuilds the kernel of
+#: a program compiled against the ABI of its own time, so a recipe of another ABI
+#: must be refused, not rebuilt.
 FORMAT = 1
 #: Outside ``jax.export``, a configuration that saves to more text than this is
 #: left out of compiled programs (it would weigh on every compilation); its
@@ -318,6 +323,52 @@ def recipe(eqn, in_shapes: tuple, *, required: bool) -> str:
     ).replace('"@STATE@"', text)
 
 
+def read(data: bytes) -> dict:
+    """A recipe's fields; :class:`~jaxdecl.ExportError` unless it is of :data:`FORMAT`.
+
+    A jaxdecl reads only its own format. The refusal names the jaxdecl and the
+    format that saved the program, this jaxdecl and its format, and what to do:
+    an older format cannot be read any more, a newer one not yet.
+
+    Example:
+        >>> from jaxdecl._recipes import FORMAT, read
+        >>> read(b'{"format": %d, "jaxdecl": "0.1.0"}' % FORMAT)["jaxdecl"]
+        '0.1.0'
+        >>> read(b'{"format": 0, "jaxdecl": "0.0.1"}')  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        jaxdecl._errors.ExportError: this program was saved by jaxdecl 0.0.1 (recipe format 0)...
+    """
+    try:
+        fields = json.loads(data)
+    except ValueError:
+        fields = None
+    if not isinstance(fields, dict):
+        raise ExportError(f"this program carries a jaxdecl call whose recipe is not readable "
+                          f"(this is jaxdecl {VERSION}, recipe format {FORMAT}): save the "
+                          f"program again with jaxdecl {VERSION}")
+    saved, found = fields.get("format"), fields.get("jaxdecl")
+    if type(saved) is int and saved == FORMAT:
+        return fields
+    known = isinstance(found, str) and bool(found)
+    by = f"jaxdecl {found}" if known else "an unknown jaxdecl"
+    saver = by if known else "the jaxdecl that saved it"
+    if type(saved) is not int:
+        raise ExportError(
+            f"this program was saved by {by} (no recipe format); this is jaxdecl {VERSION} "
+            f"(recipe format {FORMAT}), which reads only format {FORMAT}: save the program "
+            f"again with jaxdecl {VERSION}")
+    if saved < FORMAT:
+        raise ExportError(
+            f"this program was saved by {by} (recipe format {saved}); this is jaxdecl "
+            f"{VERSION} (recipe format {FORMAT}), which no longer reads format {saved}: save "
+            f"the program again with jaxdecl {VERSION}, or load it with {saver}")
+    raise ExportError(
+        f"this program was saved by {by} (recipe format {saved}); this is jaxdecl {VERSION} "
+        f"(recipe format {FORMAT}), which cannot read the newer format {saved}: load the "
+        f"program with {saver}, or save it again with jaxdecl {VERSION}")
+
+
 _restored: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
@@ -329,12 +380,7 @@ def resolve(data: bytes) -> tuple:
     as XLA keeps the executable. Equal recipes share one restored op while it
     lives.
     """
-    fields = json.loads(data)
-    if fields.get("format") != FORMAT:
-        raise ExportError(
-            f"this program was saved by jaxdecl {fields.get('jaxdecl', '?')} (recipe format "
-            f"{fields.get('format', '?')}); this is jaxdecl {VERSION} (format {FORMAT}), "
-            f"which cannot run it: save it again with this version, or load it with that one")
+    fields = read(data)
     cls = find(fields["class"])
     key = (fields["class"], json.dumps(fields["state"], separators=(",", ":")))
     instance = _restored.get(key)

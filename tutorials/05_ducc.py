@@ -1,12 +1,17 @@
+# requires: ducc0 (pip install ".[ducc]")
 """DUCC transforms.
 
 DUCC's FFT and spherical-harmonic transforms as JAX primitives: the ready-made
 linear ops of ``jaxdecl.contrib.ducc`` jit, vmap and differentiate like
-``jax.numpy`` (needs ``pip install ducc0``; matplotlib optional). Look at the
+``jax.numpy`` (needs ``pip install ".[ducc]"``; matplotlib optional). Look at the
 printed differences (all near machine precision), the two dot-product checks
 ⟨ct, A x⟩ = ⟨Aᵀ ct, x⟩, and ``ducc_map.png``: a random sky recovered by gradient
 descent through the spherical-harmonic synthesis.
 """
+
+import requires  # tutorials/requires.py: without line 1's package, stops with its pip command
+
+requires.check(__file__)
 
 import ducc0
 import jax

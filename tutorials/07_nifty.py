@@ -1,9 +1,14 @@
+# requires: nifty ducc0 (pip install ".[nifty]")
 """NIFTy.
 
 A DUCC spherical-harmonic synthesis, declared with jaxdecl, inside a
 ``nifty.re`` sky model: builds a log-normal HEALPix sky, infers it from noisy
 data with ``nifty.re.optimize_kl`` and plots the posterior mean.
 """
+
+import requires  # tutorials/requires.py: without line 1's package, stops with its pip command
+
+requires.check(__file__)
 
 from functools import partial
 from typing import Any

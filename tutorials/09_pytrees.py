@@ -1,3 +1,4 @@
+# requires: scipy (pip install ".[scipy]")
 """Pytrees.
 
 A SciPy ``cKDTree`` nearest-neighbour query whose parameters arrive as a dict
@@ -11,6 +12,10 @@ at the leaves, and ``@abstract`` returns the output structure. Each result is
 compared with a brute-force nearest-neighbour search written in pure
 ``jax.numpy``.
 """
+
+import requires  # tutorials/requires.py: without line 1's package, stops with its pip command
+
+requires.check(__file__)
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-# requires: torch
+# requires: torch (pip install ".[torch]")
 """PyTorch.
 
 ``torch.nn.functional.cross_entropy`` as a jaxdecl op whose derivative rules
@@ -11,6 +11,10 @@ run PyTorch's forward again (``torch.func.vjp``). Every value is compared with
 the same loss written in ``jax.numpy``. Needs ``pip install ".[torch]"`` (the
 CPU build of PyTorch is enough).
 """
+
+import requires  # tutorials/requires.py: without line 1's package, stops with its pip command
+
+requires.check(__file__)
 
 import warnings
 

@@ -1,4 +1,4 @@
-# requires: flatbuffers
+# requires: flatbuffers (pip install ".[saving]")
 """Saving and loading programs.
 
 Save a jitted gradient that calls jaxdecl ops with ``jax.export`` and as a
@@ -11,9 +11,12 @@ and the loading process rebuilds the op from them. The loaded results are
 compared with this process's and with ``jax.numpy``; then the errors: a
 process that has not imported the ops' module, configuration with no saved
 form, an op defined in a script. ``jax.export``'s ``Exported.serialize``
-needs the ``flatbuffers`` package (``pip install flatbuffers``, or
-``pip install ".[test]"``).
+needs the ``flatbuffers`` package (``pip install ".[saving]"``).
 """
+
+import requires  # tutorials/requires.py: without line 1's package, stops with its pip command
+
+requires.check(__file__)
 
 import os
 import pathlib

@@ -4,10 +4,11 @@
   process, a fresh working folder, default devices) when the build starts, two
   at a time; its page shows the module docstring, the code, what it printed
   and the figures it wrote. A tutorial that fails fails the build. One whose
-  ``# requires: name`` package is not installed is shown without output,
-  saying so (CI installs them all). Results are cached under ``docs/_build``
-  by the hash of the script and of the package, so a rebuild that changed
-  neither does not run it again.
+  ``# requires: name (pip install ".[extra]")`` package is not installed is
+  shown without output, saying so and naming the extra (CI installs them all).
+  Results are cached under ``docs/_build`` by the hash of the script, the
+  modules beside it and the package, so a rebuild that changed none of them
+  does not run it again.
 - ``.. jaxdecl-api::`` documents every name in ``jaxdecl.__all__``, grouped;
   a name not in a group still appears (under "Other"), so a new public name
   is never left out of the reference.
@@ -25,7 +26,6 @@ import html.parser
 import importlib.util
 import os
 import pathlib
-import re
 import shutil
 import subprocess
 import sys
@@ -62,7 +62,9 @@ def _package_hash() -> str:
 def _tutorial_hash(script: pathlib.Path, package: str) -> str:
     digest = hashlib.sha256(package.encode())
     digest.update(script.read_bytes())
-    for path in sorted((script.parent / "cpp").glob("*")):
+    # The modules it imports from beside it (saving_ops.py, requires.py) and its C++ code.
+    for path in [*sorted(script.parent.glob("[!0-9]*.py")),
+                 *sorted((script.parent / "cpp").glob("*"))]:
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
@@ -114,13 +116,19 @@ def _title_and_intro(script: pathlib.Path) -> tuple:
     return first.strip().rstrip("."), rest.strip(), start + 1
 
 
-def _missing_requirements(script: pathlib.Path) -> list:
-    """The packages a tutorial's ``# requires: name`` lines (before its docstring) name that
-    this environment lacks."""
-    head = script.read_text().split('"""', 1)[0]
-    names = [name for line in re.findall(r"^# requires: (.+)$", head, re.M)
-             for name in line.split()]
-    return [name for name in names if importlib.util.find_spec(name) is None]
+def _missing_requirements(script: pathlib.Path) -> tuple:
+    """``(packages, extra)``: what a tutorial's ``# requires:`` line names that this
+    environment lacks, and the extra that installs it.
+
+    The line is read by ``tutorials/requires.py``, the reader the tutorials use
+    themselves, so that the pages, the tests and the scripts agree on it.
+    """
+    spec = importlib.util.spec_from_file_location("tutorials_requires",
+                                                  script.parent / "requires.py")
+    reader = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reader)
+    modules, extra = reader.declared(script) or ([], None)
+    return reader.missing(modules), extra
 
 
 def _write_if_changed(path: pathlib.Path, text: str) -> None:
@@ -129,13 +137,13 @@ def _write_if_changed(path: pathlib.Path, text: str) -> None:
 
 
 def _page(script: pathlib.Path, output, figures: list, target: pathlib.Path,
-          missing=()) -> str:
+          missing=(), extra=None) -> str:
     title, intro, code_start = _title_and_intro(script)
     total = len(script.read_text().splitlines())
     relative = os.path.relpath(script, target.parent).replace(os.sep, "/")
     if missing:
         ran = (f"These pages were built without {', '.join(missing)}, so the tutorial was not "
-               f"run for them: install it (`pip install \".[{missing[0]}]\"`) and run the "
+               f"run for them: install it (`pip install \".[{extra}]\"`) and run the "
                f"script to see its output.")
     else:
         ran = ("The output and figures below come from running it while these pages were "
@@ -172,7 +180,7 @@ def build_tutorials(app) -> None:
     timeout = app.config.jaxdecl_tutorial_timeout
 
     def one(script):
-        if _missing_requirements(script):
+        if _missing_requirements(script)[0]:
             return script, (None, [], 0.0)
         cache = cache_root / f"{script.stem}-{_tutorial_hash(script, package)}"
         return script, _run(script, cache, timeout)
@@ -189,8 +197,8 @@ def build_tutorials(app) -> None:
                 shutil.copy(figure, destination)
             shown.append(figure)
         target = pages / f"{script.stem}.md"
-        missing = _missing_requirements(script)
-        _write_if_changed(target, _page(script, output, shown, target, missing))
+        missing, extra = _missing_requirements(script)
+        _write_if_changed(target, _page(script, output, shown, target, missing, extra))
         if missing:
             # Not a warning: a reader without an optional package can still build the
             # pages. CI installs every tutorial's requirements first, so it runs them all.
