@@ -1,0 +1,114 @@
+# The legs' shared steps, sourced by .ci/run and tools/sweep (bash, `set -euo pipefail`).
+
+_LEG_ROWS=()
+_LEG_STARTED=$SECONDS
+_LEG_RUNNING=""  # the leg under way, and when it started
+
+# leg NAME COMMAND...: runs one leg and records how long it took. The command runs under
+# the caller's `set -e` (not in an `||` list, which would switch it off inside): a failing
+# step stops the run, and the table printed on exit names the leg.
+leg() {
+    _LEG_RUNNING="$1 $SECONDS"
+    printf '\n=== %s: %s\n' "$1" "${*:2}"
+    "${@:2}"
+    _leg_row ok
+}
+
+_leg_row() {
+    local name=${_LEG_RUNNING% *} start=${_LEG_RUNNING#* }
+    _LEG_ROWS+=("$(printf '%-10s %6ds  %s' "$name" $((SECONDS - start)) "$1")")
+    _LEG_RUNNING=""
+}
+
+_print_legs() {
+    local status=$?
+    [ -z "$_LEG_RUNNING" ] || _leg_row "FAILED ($status)"
+    printf '\n%-10s %7s  %s\n' leg seconds result
+    [ ${#_LEG_ROWS[@]} = 0 ] || printf '%s\n' "${_LEG_ROWS[@]}"
+    printf '%-10s %6ds  %s\n' total $((SECONDS - _LEG_STARTED)) \
+        "$([ $status = 0 ] && echo ok || echo FAILED)"
+}
+trap _print_legs EXIT
+
+# python_for 3.X: an interpreter of that version that runs (on PATH, else pyenv's: a
+# pyenv shim on PATH answers only for the versions pyenv has selected).
+python_for() {
+    local found
+    for found in "$(command -v "python$1" 2>/dev/null)" \
+            $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$1".*/bin/"python$1" 2>/dev/null |
+              sort -V -r); do
+        if [ -n "$found" ] && "$found" -c "" 2>/dev/null; then
+            echo "$found"
+            return 0
+        fi
+    done
+    echo "no Python $1 found" >&2
+    return 1
+}
+
+# wheel_for 3.X: the manylinux wheel tools/build-dist left in dist/ for that Python.
+wheel_for() {
+    ls dist/jaxdecl-*-cp"${1/./}"-cp"${1/./}"-manylinux*.whl
+}
+
+# in_tests VENV PYTEST-ARGS...: the tests run from tests/, outside the checkout, so that
+# the installed package is what they test (pyproject.toml's options apply).
+in_tests() {
+    (cd tests && "../$1/bin/pytest" -p no:cacheprovider --rootdir=.. -c ../pyproject.toml \
+        "${@:2}")
+}
+
+# What the core modules' tests import beyond jax (the test extra's core).
+CORE_TEST_DEPS=("pytest>=7" "pytest-xdist>=3.5" "hypothesis>=6.100" "equinox>=0.11"
+                "scipy>=1.11" "flatbuffers>=23")
+
+# wheel_leg 3.X -- [whole | jax=VERSION PYTEST-ARGS...] -- ...
+# The wheel for 3.X in a fresh environment where no compiler can run (none on PATH, CC
+# and CXX fail), with only binary packages and the newest JAX this Python gets: the
+# quickstart and the dispatch tests. Then, in the same environment with the compiler
+# back (C kernels' tests compile), each group after a `--`: `whole` is the whole suite
+# with the test extra; `jax=V ARGS` installs JAX V and runs pytest ARGS.
+wheel_leg() {
+    local version=$1 venv=".venv-cp${1/./}" wheel python
+    python=$(python_for "$version")
+    wheel=$(wheel_for "$version")
+    shift 2
+    "$python" -m venv "$venv"
+    (
+        export CC=/bin/false CXX=/bin/false PATH="$PWD/$venv/bin"
+        python -c "import shutil, sys; found = [c for c in ('cc', 'c++', 'gcc', 'g++', 'clang')
+if shutil.which(c)]; sys.exit(f'a compiler is on PATH: {found}' if found else None)"
+        pip install -q --only-binary=:all: "$wheel" "pytest>=7" "pytest-xdist>=3.5"
+        python -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__)"
+        (cd tests && python ../tutorials/01_quickstart.py >/dev/null)
+        in_tests "$venv" -q test_dispatch.py
+    )
+    while [ $# -gt 0 ]; do
+        local group=()
+        while [ $# -gt 0 ] && [ "$1" != -- ]; do group+=("$1"); shift; done
+        [ $# -gt 0 ] && shift
+        if [ "${group[0]}" = whole ]; then
+            "$venv/bin/pip" install -q "$wheel[test]"
+            in_tests "$venv" -q
+        else
+            local jax=${group[0]#jax=}
+            "$venv/bin/pip" install -q "jax==$jax" "jaxlib==$jax" "${CORE_TEST_DEPS[@]}"
+            "$venv/bin/python" -c "import jax; print('jax', jax.__version__)"
+            in_tests "$venv" -q "${group[@]:1}"
+        fi
+    done
+}
+
+# The documentation, in strict mode: a warning, a broken cross-reference or link, or a
+# failing tutorial (the build runs them all, each with its extra installed) fails. The
+# registry's default PyTorch is the CUDA build (about 2.5 GB); the CPU build satisfies
+# the torch extra and is preferred where pip finds it.
+docs_leg() {
+    local python wheel
+    python=$(python_for 3.11)
+    wheel=$(wheel_for 3.11)
+    "$python" -m venv .venv-docs
+    .venv-docs/bin/pip install -q "$wheel[docs,torch]" "torch==2.13.0+cpu" ||
+        .venv-docs/bin/pip install -q "$wheel[docs,torch]"
+    .venv-docs/bin/sphinx-build -q -W --keep-going -n -b html docs docs/_build/html
+}
