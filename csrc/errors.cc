@@ -33,6 +33,12 @@ std::string MessageOf(PyObject* result, const char* fallback) {
   return message;
 }
 
+std::string ErrorOf(PyObject* result) {
+  if (result == nullptr) return FetchPythonError();
+  if (result == Py_None) return {};
+  return MessageOf(result, "jaxdecl: a host kernel returned a non-string");
+}
+
 // The exception goes back normalized, its traceback attached, as an
 // `except` clause sees it: on_failure is that clause of the kernel's own
 // Python path (jaxdecl/_kernels.py), which reports the rule's frames.

@@ -27,6 +27,10 @@ std::string FetchPythonError();
 // string.
 std::string MessageOf(PyObject* result, const char* fallback);
 
+// The message of what a kernel call returned: "" for None, the pending
+// exception's for null, else str(result).
+std::string ErrorOf(PyObject* result);
+
 // Hands what a direct call (Kernel::direct) did wrong to kernel.on_failure:
 // `result` (stolen) is null with the exception pending, or what the rule
 // returned instead of None.  Returns on_failure's message (a new

@@ -99,7 +99,7 @@ PYBIND11_MODULE(_dispatch, m) {
   m.def("register_kernel", [](int64_t hi, int64_t lo, std::string name,
                               py::object call, py::object on_escape,
                               py::object instance_ref, py::object direct,
-                              py::object on_failure, py::object rows) {
+                              py::object on_failure, std::vector<int64_t> rows) {
     if (!instance_ref.is_none() && !PyWeakref_Check(instance_ref.ptr())) {
       throw py::type_error("instance_ref must be a weak reference or None");
     }
@@ -110,30 +110,34 @@ PYBIND11_MODULE(_dispatch, m) {
     if (!direct.is_none() && !on_failure.is_none()) {
       kernel->direct = direct.release().ptr();
       kernel->on_failure = on_failure.release().ptr();
-      if (!rows.is_none()) {  // (rank, count, batched per input): see Kernel::row_count
-        auto [rank, count, batched] =
-            rows.cast<std::tuple<int, int64_t, std::vector<bool>>>();
-        kernel->row_rank = rank;
-        kernel->row_count = count;
-        kernel->row_batched = std::move(batched);
-      }
     }
+    kernel->row_dims = std::move(rows);
     return jaxdecl::RegisterKernel(std::move(kernel));
   }, py::arg("fingerprint_hi"), py::arg("fingerprint_lo"), py::arg("name"),
         py::arg("call"), py::arg("on_escape"), py::arg("instance_ref"),
         py::arg("direct") = py::none(), py::arg("on_failure") = py::none(),
-        py::arg("rows") = py::none(),
-        "Registers a Python host kernel until release_kernel; returns its slot.");
+        py::arg("rows") = std::vector<int64_t>(),
+        "Registers a Python host kernel until release_kernel; returns its slot. "
+        "`rows`: the batch dims of batch=\"loop\", run a row at a time.");
 
   m.def("register_c_kernel", [](int64_t hi, int64_t lo, std::string name,
-                                uintptr_t address, py::object keepalive) {
+                                uintptr_t address, py::object keepalive,
+                                std::vector<int> operands, std::vector<int64_t> rows,
+                                int conj_from) {
     auto kernel = NewKernel(hi, lo, std::move(name));
     kernel->c_function = ToFunction(address);
     kernel->keepalive = keepalive.release().ptr();
+    kernel->c_operands = std::move(operands);
+    kernel->row_dims = std::move(rows);
+    kernel->c_conj_from = conj_from;
     return jaxdecl::RegisterKernel(std::move(kernel));
   }, py::arg("fingerprint_hi"), py::arg("fingerprint_lo"), py::arg("name"),
         py::arg("address"), py::arg("keepalive"),
-        "Registers a C kernel (jaxdecl.h) until release_kernel; returns its slot.");
+        py::arg("operands") = std::vector<int>(), py::arg("rows") = std::vector<int64_t>(),
+        py::arg("conj_from") = -1,
+        "Registers a C kernel (jaxdecl.h) until release_kernel; returns its slot. "
+        "`operands`: the indices it takes (all if empty); `rows`: the batch dims of "
+        "batch=\"loop\"; `conj_from`: an adjoint's first conjugated operand, or -1.");
 
   m.def("release_kernel", &jaxdecl::ReleaseKernel, py::arg("slot"),
         "Drops a registration; False if the slot held none.");

@@ -4,7 +4,8 @@
 // array on XLA's own memory (views.h), called as `kernel(inputs, outputs,
 // eager)` with the GIL held; they return None, or an error message they
 // already formatted.  A zero-copy rule with one result is called directly
-// instead (Kernel::direct), one Python frame fewer.  Kept apart from the
+// instead (Kernel::direct), one Python frame fewer; a looped batch runs one
+// row at a time (rows.h).  Kept apart from the
 // handlers and the views because this is the only place that takes the GIL
 // and calls into Python per call: its cost is the dispatcher's overhead.
 
@@ -85,13 +86,6 @@ PyObject* CallDirect(const Kernel& kernel, PyObject* inputs, PyObject* outputs,
   return HandBackFailure(kernel, result, inputs, outputs, eager);
 }
 
-// The message of what CallDirect or CallKernel returned; "" for None.
-std::string ErrorOf(PyObject* result) {
-  if (result == nullptr) return FetchPythonError();
-  if (result == Py_None) return {};
-  return MessageOf(result, "jaxdecl: a host kernel returned a non-string");
-}
-
 // Wraps (or re-points, with `call.cache`) the views, calls the kernel and
 // checks that it kept none.  GIL held.
 std::string RunWithViews(const Kernel& kernel, const Call& call) {
@@ -118,12 +112,10 @@ std::string RunWithViews(const Kernel& kernel, const Call& call) {
     cache->busy = true;  // only the run that reuses the views releases them
   }
   if (outputs != nullptr) {
-    bool rows = kernel.row_count >= 0;  // a looped batch (rows.h)
-    if (rows && RowsFit(kernel, inputs, outputs)) {
+    if (!kernel.row_dims.empty()) {  // a looped batch (rows.h)
       error = RunRows(kernel, inputs, outputs, call.eager);
     } else {
-      // A looped kernel that does not fit runs its loop in Python.
-      PyObject* result = kernel.direct != nullptr && !rows
+      PyObject* result = kernel.direct != nullptr
                              ? CallDirect(kernel, inputs, outputs, call.eager)
                              : CallKernel(kernel, inputs, outputs, call.eager);
       error = ErrorOf(result);

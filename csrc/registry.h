@@ -68,13 +68,17 @@ struct Kernel {
   // when it raises or returns something.
   PyObject* direct = nullptr;
   PyObject* on_failure = nullptr;
-  // batch="loop" with `direct`: the dispatcher calls direct once per row of
-  // the leading `row_rank` dimensions (row_count rows) on views it re-points
-  // per row; row_batched[i] says whether input i has those dimensions (else
-  // every row sees all of it).  row_count < 0: not looped.
-  int64_t row_count = -1;
-  int row_rank = 0;
-  std::vector<bool> row_batched;
+  // batch="loop": the leading dimensions whose rows the kernel runs on one at
+  // a time, in the dispatcher (rows.h), for every kind of kernel; empty: it
+  // sees the whole call.
+  std::vector<int64_t> row_dims;
+  // C kernels: the operands the function takes, by index (empty: all, in
+  // order), so that a derivative rule is not handed extras it does not take.
+  std::vector<int> c_operands;
+  // C kernels given as an adjoint A^H: the operands from this index on are
+  // conjugated before the call and the results after it, which makes the
+  // transpose conj(A^H conj(ct)); -1: not an adjoint.
+  int c_conj_from = -1;
   // The eager path's views (its shapes are the kernel's own).  GIL held.
   mutable ViewCache eager_views;
   // False once the op the kernel calls is gone.  GIL held.

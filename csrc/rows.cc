@@ -7,17 +7,46 @@
 #include "views.h"
 
 namespace jaxdecl {
+
+RowCursor::RowCursor(const std::vector<int64_t>& batch)
+    : batch_(batch), index_(batch.size(), 0) {
+  for (int64_t size : batch_) rows_ *= size;
+}
+
+bool RowCursor::Add(const int64_t* dims, int64_t rank, size_t itemsize) {
+  size_t n = batch_.size();
+  if (rank < static_cast<int64_t>(n)) return false;
+  // Row-major strides: the bytes from one index to the next along each dim.
+  std::vector<int64_t> stride(rank);
+  int64_t bytes = static_cast<int64_t>(itemsize);
+  for (int64_t d = rank; d-- > 0;) {
+    stride[d] = bytes;
+    bytes *= dims[d];
+  }
+  for (size_t j = 0; j < n; ++j) {
+    if (dims[j] != batch_[j] && dims[j] != 1) return false;
+    steps_.push_back(dims[j] == 1 ? 0 : stride[j]);  // broadcast: stays put
+  }
+  offsets_.push_back(0);
+  return true;
+}
+
+void RowCursor::Next() {
+  size_t n = batch_.size();
+  size_t operands = offsets_.size();
+  for (size_t j = n; j-- > 0;) {
+    for (size_t k = 0; k < operands; ++k) offsets_[k] += steps_[k * n + j];
+    if (++index_[j] < batch_[j]) return;
+    // This dim wraps around: back to its start, and carry into the dim before.
+    for (size_t k = 0; k < operands; ++k) offsets_[k] -= steps_[k * n + j] * batch_[j];
+    index_[j] = 0;
+  }
+}
+
 namespace {
 
 PyArrayObject* AsArray(PyObject* object) {
   return reinterpret_cast<PyArrayObject*>(object);
-}
-
-// Product of the first `rank` dimensions of `array` (which has at least `rank`).
-npy_intp LeadingSize(PyArrayObject* array, int rank) {
-  npy_intp size = 1;
-  for (int d = 0; d < rank; ++d) size *= PyArray_DIM(array, d);
-  return size;
 }
 
 int FlagsFor(bool writable) { return writable ? NPY_ARRAY_CARRAY : NPY_ARRAY_CARRAY_RO; }
@@ -62,101 +91,115 @@ bool AnyHeld(PyObject* tuple) {
   return false;
 }
 
-// The row views of one side of the call and where each row starts.
+// One side of the call (its inputs or its outputs): the whole-batch views,
+// a tuple of row views, and where each whole view's data starts.
 struct RowSide {
-  PyObject* whole;    // borrowed: the call's tuple of whole-batch views
-  PyObject* rows;     // owned: a tuple of row views
+  PyObject* whole;  // borrowed: the call's tuple of whole-batch views
+  PyObject* rows = nullptr;  // owned: a tuple of row views
   bool writable;
-  char* data[kMaxDirectArgs];
-  npy_intp step[kMaxDirectArgs];  // bytes from one row to the next; 0: not batched
+  size_t first;  // the cursor's index of this side's first operand
+  std::vector<char*> data;
 };
 
-bool MakeRows(RowSide& side, const Kernel& kernel, const bool* batched) {
+bool AddTo(RowCursor& cursor, const RowSide& side) {
+  Py_ssize_t n = PyTuple_GET_SIZE(side.whole);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyArrayObject* array = AsArray(PyTuple_GET_ITEM(side.whole, i));
+    std::vector<int64_t> dims(PyArray_DIMS(array), PyArray_DIMS(array) + PyArray_NDIM(array));
+    if (!cursor.Add(dims.data(), PyArray_NDIM(array), PyArray_ITEMSIZE(array))) return false;
+  }
+  return true;
+}
+
+bool MakeRows(RowSide& side, int rank) {
   Py_ssize_t n = PyTuple_GET_SIZE(side.whole);
   side.rows = PyTuple_New(n);
   if (side.rows == nullptr) return false;
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* whole = PyTuple_GET_ITEM(side.whole, i);
-    PyObject* view = RowView(whole, kernel.row_rank, side.writable);
+    PyObject* view = RowView(whole, rank, side.writable);
     if (view == nullptr) return false;
     PyTuple_SET_ITEM(side.rows, i, view);
-    side.data[i] = static_cast<char*>(PyArray_DATA(AsArray(whole)));
-    side.step[i] = batched[i] ? PyArray_NBYTES(AsArray(view)) : 0;
+    side.data.push_back(static_cast<char*>(PyArray_DATA(AsArray(whole))));
   }
   return true;
 }
 
-// Points every row view at row `row`, replacing any the rule altered.
-bool MoveTo(RowSide& side, const Kernel& kernel, npy_intp row) {
+// Points every row view at the cursor's row, replacing any the rule altered.
+bool MoveTo(RowSide& side, const RowCursor& cursor) {
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(side.rows); ++i) {
     PyObject* whole = PyTuple_GET_ITEM(side.whole, i);
     PyObject* view = PyTuple_GET_ITEM(side.rows, i);
-    if (!RowViewIntact(view, whole, kernel.row_rank, side.writable)) {
-      view = RowView(whole, kernel.row_rank, side.writable);
+    if (!RowViewIntact(view, whole, cursor.rank(), side.writable)) {
+      view = RowView(whole, cursor.rank(), side.writable);
       if (view == nullptr) return false;
       PyTuple_SetItem(side.rows, i, view);  // releases the altered one
     }
     reinterpret_cast<PyArrayObject_fields*>(view)->data =
-        side.data[i] + row * side.step[i];
+        side.data[i] + cursor.offset(side.first + i);
   }
   return true;
 }
 
-}  // namespace
-
-bool RowsFit(const Kernel& kernel, PyObject* inputs, PyObject* outputs) {
-  Py_ssize_t n_in = PyTuple_GET_SIZE(inputs);
-  if (n_in + 2 > kMaxDirectArgs || PyTuple_GET_SIZE(outputs) != 1 ||
-      static_cast<size_t>(n_in) != kernel.row_batched.size()) {
-    return false;
+// One row: the direct form where the kernel has it, else kernel.call.
+// Returns "" or the row's error.
+std::string CallRow(const Kernel& kernel, PyObject* instance, const RowSide& in,
+                    const RowSide& out, bool eager) {
+  Py_ssize_t n_in = PyTuple_GET_SIZE(in.rows);
+  if (kernel.direct == nullptr || PyTuple_GET_SIZE(out.rows) != 1 ||
+      n_in + 2 > kMaxDirectArgs) {
+    PyObject* args[] = {in.rows, out.rows, eager ? Py_True : Py_False};
+    PyObject* result = PyObject_Vectorcall(kernel.call, args, 3, nullptr);
+    std::string error = ErrorOf(result);
+    Py_XDECREF(result);
+    return error;
   }
-  auto fits = [&](PyObject* view, bool batched) {
-    PyArrayObject* array = AsArray(view);
-    if (PyArray_NDIM(array) < kernel.row_rank) return false;
-    return LeadingSize(array, kernel.row_rank) == (batched ? kernel.row_count : 1);
-  };
-  for (Py_ssize_t i = 0; i < n_in; ++i) {
-    if (!fits(PyTuple_GET_ITEM(inputs, i), kernel.row_batched[i])) return false;
-  }
-  return fits(PyTuple_GET_ITEM(outputs, 0), true);
-}
-
-std::string RunRows(const Kernel& kernel, PyObject* inputs, PyObject* outputs,
-                    bool eager) {
-  PyObject* instance = kernel.Instance();  // a new reference, or null
-  if (kernel.instance_ref != nullptr && instance == nullptr) {
-    return "jaxdecl: " + kernel.name + ": the op was deleted";
-  }
-  bool in_batched[kMaxDirectArgs];
-  for (size_t i = 0; i < kernel.row_batched.size(); ++i) in_batched[i] = kernel.row_batched[i];
-  const bool out_batched[] = {true};
-  RowSide in{inputs, nullptr, false, {}, {}};
-  RowSide out{outputs, nullptr, true, {}, {}};
-  std::string error;
-  bool made = MakeRows(in, kernel, in_batched) && MakeRows(out, kernel, out_batched);
-  if (!made) error = FetchPythonError();
-  bool escape_checked = false;  // `error` already says what a kept view would
   PyObject* argv[kMaxDirectArgs];
   Py_ssize_t first = instance != nullptr ? 1 : 0;
   argv[0] = instance;
-  Py_ssize_t n_in = PyTuple_GET_SIZE(inputs);
-  for (npy_intp row = 0; error.empty() && row < kernel.row_count; ++row) {
-    if (row > 0 && (!MoveTo(in, kernel, row) || !MoveTo(out, kernel, row))) {
-      error = FetchPythonError();
-      break;
-    }
-    for (Py_ssize_t i = 0; i < n_in; ++i) argv[first + i] = PyTuple_GET_ITEM(in.rows, i);
-    argv[first + n_in] = PyTuple_GET_ITEM(out.rows, 0);
-    PyObject* result =
-        PyObject_Vectorcall(kernel.direct, argv, first + n_in, OutKeyword());
-    if (result != Py_None) {
-      PyObject* message = HandBackFailure(kernel, result, in.rows, out.rows, eager);
-      error = message == nullptr ? FetchPythonError()
-                                 : MessageOf(message, "jaxdecl: a host kernel failed");
-      Py_XDECREF(message);
-      break;
-    }
+  for (Py_ssize_t i = 0; i < n_in; ++i) argv[first + i] = PyTuple_GET_ITEM(in.rows, i);
+  argv[first + n_in] = PyTuple_GET_ITEM(out.rows, 0);
+  PyObject* result = PyObject_Vectorcall(kernel.direct, argv, first + n_in, OutKeyword());
+  if (result == Py_None) {
     Py_DECREF(result);
+    return {};
+  }
+  PyObject* message = HandBackFailure(kernel, result, in.rows, out.rows, eager);
+  std::string error = message == nullptr
+                          ? FetchPythonError()
+                          : MessageOf(message, "jaxdecl: a host kernel failed");
+  Py_XDECREF(message);
+  return error;
+}
+
+}  // namespace
+
+std::string RunRows(const Kernel& kernel, PyObject* inputs, PyObject* outputs,
+                    bool eager) {
+  RowCursor cursor(kernel.row_dims);
+  RowSide in{inputs, nullptr, false, 0, {}};
+  RowSide out{outputs, nullptr, true, static_cast<size_t>(PyTuple_GET_SIZE(inputs)), {}};
+  if (!AddTo(cursor, in) || !AddTo(cursor, out)) {
+    return "jaxdecl: " + kernel.name + ": the call's buffers do not fit its batch";
+  }
+  PyObject* instance = kernel.direct != nullptr ? kernel.Instance() : nullptr;  // new ref
+  if (kernel.direct != nullptr && kernel.instance_ref != nullptr && instance == nullptr) {
+    return "jaxdecl: " + kernel.name + ": the op was deleted";
+  }
+  std::string error;
+  bool made = MakeRows(in, cursor.rank()) && MakeRows(out, cursor.rank());
+  if (!made) error = FetchPythonError();
+  bool escape_checked = false;  // `error` already says what a kept view would
+  for (int64_t row = 0; error.empty() && row < cursor.rows(); ++row) {
+    if (row > 0) {
+      cursor.Next();
+      if (!MoveTo(in, cursor) || !MoveTo(out, cursor)) {
+        error = FetchPythonError();
+        break;
+      }
+    }
+    error = CallRow(kernel, instance, in, out, eager);
+    if (!error.empty()) break;
     // Before the views move on: a rule that kept one would see it change.
     if (AnyHeld(in.rows) || AnyHeld(out.rows)) {
       error = CheckEscapes(kernel, in.rows, out.rows, error, eager);

@@ -1,6 +1,6 @@
 """jaxdecl's XLA FFI dispatcher (CPU), built from csrc/ (module.cc is its Python face)."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 #: ``(major, minor)``: the XLA FFI API version of the headers the dispatcher is built against.
@@ -18,16 +18,22 @@ def register_kernel(fingerprint_hi: int, fingerprint_lo: int, name: str,
                     on_escape: Callable[[bool, int, str | None, bool], str],
                     instance_ref: Any, direct: Callable[..., None] | None = None,
                     on_failure: Callable[..., str] | None = None,
-                    rows: tuple[int, int, list[bool]] | None = None) -> int:
+                    rows: Sequence[int] = ()) -> int:
     """Registers a host kernel until release_kernel; returns its slot (>= 1).
 
     With `direct` (a zero-copy rule taking ``[instance,] *inputs, out=output``)
     the dispatcher calls the rule itself, and ``on_failure(exc, returned,
-    inputs, outputs, eager)`` makes the error message when it fails."""
+    inputs, outputs, eager)`` makes the error message when it fails. With
+    `rows` (``batch="loop"``'s batch dims) it runs the kernel once per row."""
 
 def register_c_kernel(fingerprint_hi: int, fingerprint_lo: int, name: str, address: int,
-                      keepalive: Any) -> int:
-    """Registers a C kernel (jaxdecl.h) until release_kernel; returns its slot."""
+                      keepalive: Any, operands: Sequence[int] = (), rows: Sequence[int] = (),
+                      conj_from: int = -1) -> int:
+    """Registers a C kernel (jaxdecl.h) until release_kernel; returns its slot.
+
+    `operands`: the indices of the operands it takes (all if empty); `rows`:
+    ``batch="loop"``'s batch dims, run once per row; `conj_from`: for an
+    adjoint, the first operand conjugated before the call (results after)."""
 
 def release_kernel(slot: int) -> bool:
     """Drops a registration; False if the slot held none."""

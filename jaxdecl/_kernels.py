@@ -5,13 +5,17 @@ views of XLA's buffers, and whether an eager caller waits for this call (and
 can take the rule's exception back). It calls one user rule and returns None,
 or an error message that the dispatcher hands back to XLA. :func:`make_kernel`
 builds one per rule and compiled shape, with what the rule needs around it:
-the checks and copies of the return form, the loop of ``batch="loop"``, and
-the failures (see :mod:`jaxdecl._failures`) and escaped views that it reports
-as errors naming the rule. :func:`jaxdecl._runtime.register` registers it.
+the checks and copies of the return form, and the failures (see
+:mod:`jaxdecl._failures`) and escaped views that it reports as errors naming
+the rule. It returns a :class:`HostKernel`, the record that
+:func:`jaxdecl._runtime.register` hands to the dispatcher. Under
+``batch="loop"`` the dispatcher runs the kernel once per row of the batch
+(``HostKernel.rows``): a kernel only ever sees one element.
 
 The per-call path is deliberately plain: a zero-copy rule is one Python call
-inside a ``try``; the return form adds one shape/dtype comparison and one copy
-per output.
+inside a ``try`` (with one result, not even that: the dispatcher calls the
+rule itself, ``HostKernel.direct``); the return form adds one shape/dtype
+comparison and one copy per output.
 
 Example:
     >>> import numpy as np
@@ -19,28 +23,52 @@ Example:
     >>> from jaxdecl._layout import RuleIO
     >>> io = RuleIO(in_names=("x",), out_names=("out",), out_avals=(), single_result=True,
     ...             real_results=(False,))
-    >>> kernel, on_escape = make_kernel(lambda x: 2 * x, zero_copy=False, io=io,
-    ...                                 context="Double.apply (@forward)")
+    >>> host = make_kernel(lambda x: 2 * x, zero_copy=False, io=io,
+    ...                    context="Double.apply (@forward)")
     >>> out = np.zeros(3)
-    >>> kernel((np.arange(3.0),), (out,), False), out.tolist()
+    >>> host.call((np.arange(3.0),), (out,), False), out.tolist()
     (None, [0.0, 2.0, 4.0])
-    >>> message = kernel((np.arange(3.0),), (np.zeros(2),), False)  # goes back to XLA
+    >>> message = host.call((np.arange(3.0),), (np.zeros(2),), False)  # goes back to XLA
     >>> print(message.splitlines()[0].split(" raised ")[1])
     RuleError: Double.apply (@forward) returned shape (3,) for out, but @abstract declared (2,)
 """
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
 import types
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 
-from . import _dispatch, _errors, _failures
+from . import _errors, _failures
 from ._cfunction import CFunction
 from ._errors import BufferEscapeError, RuleError
 from ._layout import RuleIO
+
+
+@dataclasses.dataclass(frozen=True)
+class HostKernel:
+    """What the dispatcher needs of one host kernel (made by :func:`make_kernel`).
+
+    Attributes:
+      call: ``call(inputs, outputs, eager) -> None | message``: the rule on views.
+      on_escape: ``on_escape(is_output, index, pending, eager) -> message``, when
+        a view outlived the call.
+      direct: a zero-copy rule with one result, which the dispatcher calls
+        itself as ``direct([instance,] *inputs, out=output)``; else None.
+      on_failure: with `direct`: ``on_failure(exc, returned, inputs, outputs,
+        eager) -> message`` when it raised or returned something.
+      rows: ``batch="loop"``'s batch dims: the dispatcher runs the kernel once
+        per row, on views of one element; ``()``: once, on the whole call.
+    """
+
+    call: Callable
+    on_escape: Callable
+    direct: Callable | None = None
+    on_failure: Callable | None = None
+    rows: tuple = ()
 
 
 def _store(results, outs, io: RuleIO, context: str, batch_rank: int = 0) -> None:
@@ -129,90 +157,6 @@ def _returned_value(context: str, value) -> RuleError:
     )
 
 
-def _streams(x, count: int, nb: int, batched: bool):
-    """Per-element views of `x` along its `nb` flattened batch dims (or `x` repeated)."""
-    element_shape = x.shape[nb:]
-    if not batched:
-        return itertools.repeat(x.reshape(element_shape), count)
-    flat = x.reshape((count,) + element_shape)
-    if element_shape:
-        return flat  # iterating yields views: NumPy's cheapest way to make them
-    # Iterating a 1-d array yields scalars; indexing with an Ellipsis keeps a 0-d view.
-    return map(flat.__getitem__, zip(range(count), itertools.repeat(Ellipsis)))
-
-
-def _rows(batch_shape: tuple, in_shapes) -> list[bool] | None:
-    """Per operand, whether it has every batch dim (else it has none: all 1); None if mixed.
-
-    Then the batch flattens into rows: an operand advances one row per call
-    or stays put.
-    """
-    nb = len(batch_shape)
-    full = [tuple(shape[:nb]) == tuple(batch_shape) for shape in in_shapes]
-    none = [all(n == 1 for n in shape[:nb]) and not f for shape, f in zip(in_shapes, full)]
-    return full if all(f or n for f, n in zip(full, none)) else None
-
-
-def _loop(element, zero_copy_single: bool, batch_shape: tuple, in_shapes, context: str):
-    """Runs a rule once per batch element on views (``batch="loop"``).
-
-    Fast path: when every operand is either batched in all batch dimensions or
-    in none, the batch dimensions are flattened into one (a reshape of a
-    contiguous view) and the operands are streamed along it. Otherwise each
-    element's operand index is computed as it is needed. Nothing is kept per
-    element between calls. The returned ``run(fn, ins, outs)`` calls the rule
-    `fn`, bound once per call.
-    """
-    nb = len(batch_shape)
-    count = int(np.prod(batch_shape))
-    full = _rows(batch_shape, in_shapes)
-    if full is not None:
-
-        def streams(ins, outs):
-            operands = [_streams(x, count, nb, f) for x, f in zip(ins, full)]
-            results = [_streams(o, count, nb, True) for o in outs]
-            return operands, results
-
-        # Unpacking a variable number of operands per element costs as much as
-        # NumPy's own call here, so the common arities get their own loops.
-        if zero_copy_single and len(in_shapes) == 1:
-            def run(fn, ins, outs):
-                (x1,), (out,) = streams(ins, outs)
-                for a, o in zip(x1, out):
-                    result = fn(a, out=o)
-                    if result is not None:
-                        raise _returned_value(context, result)
-        elif zero_copy_single and len(in_shapes) == 2:
-            def run(fn, ins, outs):
-                (x1, x2), (out,) = streams(ins, outs)
-                for a, b, o in zip(x1, x2, out):
-                    result = fn(a, b, out=o)
-                    if result is not None:
-                        raise _returned_value(context, result)
-        else:
-            def run(fn, ins, outs):
-                operands, results = streams(ins, outs)
-                if not operands:  # zero inputs: zip(*operands) would be empty
-                    for os in zip(*results):
-                        element(fn, (), os)
-                    return
-                for xs, os in zip(zip(*operands), zip(*results)):
-                    element(fn, xs, os)
-        return run
-
-    # Per operand and batch dim: does it broadcast there (size 1 in a wider batch)?
-    broadcast = [tuple(shape[j] == 1 and batch_shape[j] != 1 for j in range(nb))
-                 for shape in in_shapes]
-
-    def run(fn, ins, outs):
-        for index in itertools.product(*(range(n) for n in batch_shape)):
-            operands = [x[tuple(0 if b else i for i, b in zip(index, flags)) + (Ellipsis,)]
-                        for x, flags in zip(ins, broadcast)]
-            element(fn, operands, [o[index + (Ellipsis,)] for o in outs])
-
-    return run
-
-
 def weak_binding(rule, instance):
     """``(function, instance_ref)`` for calling `rule` on `instance` from a kernel.
 
@@ -235,8 +179,7 @@ def weak_binding(rule, instance):
 
 
 def make_kernel(function, *, zero_copy: bool, io: RuleIO, context: str,
-                batch_shape: tuple = (), loop: bool = False, in_shapes: tuple = (),
-                instance_ref=None):
+                batch_rank: int = 0, rows: tuple = (), instance_ref=None) -> HostKernel:
     """Builds the host kernel for one rule at one set of shapes.
 
     Args:
@@ -245,81 +188,55 @@ def make_kernel(function, *, zero_copy: bool, io: RuleIO, context: str,
       zero_copy: the rule fills a keyword-only ``out`` instead of returning.
       io: operand/result names and result avals (for messages and checks).
       context: ``Class.method (@kind)``, for messages.
-      batch_shape: leading batch dimensions of every operand and result.
-      loop: call the rule once per batch element (``batch="loop"``); otherwise
-        the rule sees the whole batch (``batch="vectorized"``, or no batch).
-      in_shapes: operand shapes (with batch dims), to index broadcast operands.
+      batch_rank: leading dims of a vectorized batch (``batch="vectorized"``),
+        where a returned result may have size 1 and broadcast.
+      rows: ``batch="loop"``'s batch dims; the dispatcher calls the kernel once
+        per row (see :class:`HostKernel`).
       instance_ref: a weak reference to the op instance, or None.
 
     Returns:
-      ``(kernel, on_escape)`` for :func:`register`.
+      The :class:`HostKernel` to register.
     """
-    stash = _errors.stash
-    single = io.single_result
-    method, ref = function, instance_ref
-    is_c = isinstance(method, CFunction)
-
-    # `element(fn, ins, outs)` calls the rule `fn` once; the kernel binds `fn`
-    # to the op instance once per call, so no wrapper frame runs per element.
-    if is_c:
-        # Looped C kernels fail as the direct ones do: with the kernel's message
-        # as the op's error (a JaxRuntimeError), not as a Python exception.
-        address = method.address
-
-        def element(fn, ins, outs):
-            error = _dispatch.call_c_kernel(address, tuple(ins), tuple(outs))
-            if error is not None:
-                raise _KernelFailure(f"{context}: {error}")
-    elif zero_copy:
-        if single:
-            def element(fn, ins, outs):
-                result = fn(*ins, out=outs[0])
-                if result is not None:
-                    raise _returned_value(context, result)
-        else:
-            def element(fn, ins, outs):
-                result = fn(*ins, out=tuple(outs))
-                if result is not None:
-                    raise _returned_value(context, result)
-    else:
-        batch_rank = 0 if loop else len(batch_shape)
-
-        def element(fn, ins, outs):
-            _store(fn(*ins), outs, io, context, batch_rank)
-
-    if loop and batch_shape:
-        run = _loop(element, zero_copy and single and not is_c, batch_shape, in_shapes,
-                    context)
-    else:
-        run = element
-
-    def fail(exc: BaseException, ins, outs, eager) -> str:
-        if isinstance(exc, _KernelFailure):
-            return str(exc)
-        _failures.explain_read_only(exc, context, io, zero_copy)
-        # The reported traceback starts at the rule, not at jaxdecl's wrappers.
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_next is not None and \
-                tb.tb_frame.f_code.co_filename == __file__:
-            tb = tb.tb_next
-        exc.__traceback__ = tb
-        _failures.detach_views(exc, ins + outs)
-        return stash(_failures.explain(exc, context), context, keep=eager)
-
-    # The direct form: the dispatcher calls the rule itself
-    # (``kernel.direct``: ``method([instance,] *ins, out=out)``), once, or once
-    # per row of a looped batch (``kernel.rows``, see csrc/rows.h), and hands
-    # failures to ``kernel.on_failure``. `kernel` below is the same call in
-    # Python, for the dispatcher's other paths.
-    direct_form = zero_copy and single and not is_c
-    hot = run is element and direct_form
-    rows = _rows(batch_shape, in_shapes) if direct_form and run is not element else None
+    fail = _failure_report(context, io, zero_copy)
+    direct = zero_copy and io.single_result
+    call = _kernel_call(function, instance_ref, fail,
+                        _element_call(zero_copy, io, context, batch_rank), direct, context)
+    if not direct:
+        return HostKernel(call, _escape_report(context, io), rows=tuple(rows))
 
     def on_failure(exc, returned, ins, outs, eager):
         if exc is None:
             exc = _returned_value(context, returned)
         return fail(exc, ins, outs, eager)
 
+    return HostKernel(call, _escape_report(context, io), function, on_failure, tuple(rows))
+
+
+def _element_call(zero_copy: bool, io: RuleIO, context: str, batch_rank: int):
+    """``element(fn, ins, outs)``: one call of the bound rule `fn`, its results stored."""
+    if zero_copy and io.single_result:
+        def element(fn, ins, outs):
+            result = fn(*ins, out=outs[0])
+            if result is not None:
+                raise _returned_value(context, result)
+    elif zero_copy:
+        def element(fn, ins, outs):
+            result = fn(*ins, out=tuple(outs))
+            if result is not None:
+                raise _returned_value(context, result)
+    else:
+        def element(fn, ins, outs):
+            _store(fn(*ins), outs, io, context, batch_rank)
+    return element
+
+
+def _kernel_call(method, ref, fail, element, hot: bool, context: str):
+    """``kernel(ins, outs, eager)``: the rule bound to its instance, every error caught.
+
+    The hot variants (a zero-copy rule with one result) inline the call: they
+    run when the dispatcher cannot call the rule directly (more than its
+    argument limit), and every frame counts there.
+    """
     if hot and ref is None:
         def kernel(ins, outs, eager):
             try:
@@ -341,23 +258,42 @@ def make_kernel(function, *, zero_copy: bool, io: RuleIO, context: str,
     elif ref is None:
         def kernel(ins, outs, eager):
             try:
-                run(method, ins, outs)
+                element(method, ins, outs)
             except BaseException as exc:  # noqa: BLE001 - every error goes back to XLA
                 return fail(exc, ins, outs, eager)
             return None
     else:
         def kernel(ins, outs, eager):
             try:
-                run(method.__get__(ref()), ins, outs)
+                element(method.__get__(ref()), ins, outs)
             except BaseException as exc:  # noqa: BLE001 - every error goes back to XLA
                 return fail(exc, ins, outs, eager)
             return None
+    return kernel
 
-    if hot or rows is not None:
-        kernel.direct, kernel.on_failure = method, on_failure
-    if rows is not None:
-        kernel.rows = (len(batch_shape), int(np.prod(batch_shape)), rows)
 
+def _failure_report(context: str, io: RuleIO, zero_copy: bool):
+    """``fail(exc, ins, outs, eager) -> message``: a rule's exception, made an XLA error.
+
+    The exception keeps its type; views it carries are copied out (they die
+    with the call); an eager caller gets it back by the message's key.
+    """
+    def fail(exc: BaseException, ins, outs, eager) -> str:
+        _failures.explain_read_only(exc, context, io, zero_copy)
+        # The reported traceback starts at the rule, not at jaxdecl's wrappers.
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None and \
+                tb.tb_frame.f_code.co_filename == __file__:
+            tb = tb.tb_next
+        exc.__traceback__ = tb
+        _failures.detach_views(exc, ins + outs)
+        return _errors.stash(_failures.explain(exc, context), context, keep=eager)
+
+    return fail
+
+
+def _escape_report(context: str, io: RuleIO):
+    """``on_escape(is_output, index, pending, eager) -> message``: a view outlived its call."""
     def on_escape(is_output: bool, index: int, pending: str | None, eager: bool) -> str:
         names = io.out_names if is_output else io.in_names
         what = names[index] if index < len(names) else "its arguments tuple"
@@ -376,10 +312,6 @@ def make_kernel(function, *, zero_copy: bool, io: RuleIO, context: str,
             f"XLA's buffer, which XLA frees or reuses after the call; copy what you keep "
             f"(np.array(x)).{carried}"
         )
-        return stash(error, context, keep=eager)
+        return _errors.stash(error, context, keep=eager)
 
-    return kernel, on_escape
-
-
-class _KernelFailure(Exception):
-    """A C kernel's failure inside a looped call: its message is the op's error."""
+    return on_escape

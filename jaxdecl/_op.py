@@ -179,31 +179,33 @@ class OpHandle:
         user = self.user_rule(rule, wrt)
         name = f"{spec.name}.{user.name} (@{user.kind})"
         fingerprint = self.kernel_fingerprint(rule, wrt, primals, batch, in_shapes)
-        looped = bool(batch) and spec.batch_mode == "loop"
+        # batch="loop": the dispatcher runs the kernel once per row of the batch.
+        rows = batch if spec.batch_mode == "loop" else ()
         io = self.rule_io(primals, rule, wrt, instance)
+        # An adjoint's leading operands (the non-differentiable inputs) pass unconjugated.
+        n_lead = len(io.in_names) - sum(self.layout(primals, instance).float_out)
+        if isinstance(user.function, CFunction):
+            return _runtime.register_c(
+                fingerprint, name, user.function, operands=_residuals.c_operands(io),
+                rows=rows, conj_from=n_lead if user.kind == "adjoint" else -1)
         function, ref = _kernels.weak_binding(user, instance)
         zero_copy = user.zero_copy
+        batch_rank = 0 if rows else len(batch)  # a vectorized batch's results may broadcast
         keyworded = bool(io.keywords or io.n_extra)
         if keyworded:  # saved=/result= arguments, or extras the rule leaves out
             function, zero_copy, io = _residuals.kernel_rule(
-                function, io, zero_copy, name, 0 if ref is None else 1,
-                0 if looped else len(batch))
-        if isinstance(function, CFunction) and user.kind != "adjoint" and not looped:
-            return _runtime.register_c(fingerprint, name, function)
-        if io.structured and not keyworded:  # (kernel_rule packs pytrees itself)
+                function, io, zero_copy, name, 0 if ref is None else 1, batch_rank)
+        elif io.structured:
             # The rule takes and returns pytrees; the kernel deals in flat arrays.
             function = _structure.structured_rule(
                 function, io, zero_copy, name, n_head=0 if ref is None else 1)
             io = dataclasses.replace(io, single_result=False)
         if user.kind == "adjoint":
-            n_lead = len(io.in_names) - sum(self.layout(primals, instance).float_out)
             function = _kernels.transpose_from_adjoint(
                 function, zero_copy, n_lead, takes_instance=ref is not None)
-        kernel, on_escape = _kernels.make_kernel(
-            function, zero_copy=zero_copy, io=io, context=name, batch_shape=batch,
-            loop=looped, in_shapes=in_shapes, instance_ref=ref,
-        )
-        return _runtime.register(fingerprint, name, kernel, on_escape, ref)
+        host = _kernels.make_kernel(function, zero_copy=zero_copy, io=io, context=name,
+                                    batch_rank=batch_rank, rows=rows, instance_ref=ref)
+        return _runtime.register(fingerprint, name, host, ref)
 
 
 class BoundOp:

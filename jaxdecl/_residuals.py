@@ -204,8 +204,6 @@ def kernel_rule(function, io: RuleIO, zero_copy: bool, context: str, n_head: int
     its results are stored after it returns (`batch_rank` leading dims may
     broadcast, as :func:`jaxdecl._kernels.make_kernel` allows).
     """
-    if isinstance(function, CFunction):
-        return _c_rule(function, io), True, io
     args_groups, result_groups, keywords = io.args, io.results, io.keywords
     single = io.single_result
     pack = _structure.pack
@@ -266,25 +264,20 @@ def kernel_rule(function, io: RuleIO, zero_copy: bool, context: str, n_head: int
     return rule, False, dataclasses.replace(io, single_result=False)
 
 
-def _c_rule(function: CFunction, io: RuleIO):
-    """A C derivative rule sees its operands, then the extras it takes (result, then saved).
+def c_operands(io: RuleIO) -> tuple:
+    """The operands a C rule takes: its own, then the extras it takes (result, then saved).
 
-    When it takes every extra the equation carries, it is called directly;
-    otherwise through a function that leaves the others out.
+    ``()`` when it takes every operand the equation carries, in order; else
+    their indices, for the dispatcher to pick (a C rule is never wrapped in
+    Python).
     """
     if not io.n_extra:
-        return function
+        return ()
     n_positional = len(io.in_names) - io.n_extra
     keep = list(range(n_positional))
     for keyword in io.keywords:
         keep += [s for g in keyword.groups for s in g.slots]
-    if len(keep) == len(io.in_names):
-        return function
-
-    def rule(*operands, out):
-        return function(*[operands[i] for i in keep], out=out)
-
-    return rule
+    return () if len(keep) == len(io.in_names) else tuple(keep)
 
 
 def traceable_rule(function, io: RuleIO, context: str):

@@ -40,10 +40,11 @@ Who owns what (an arrow is a strong reference; ``~>`` a weak one)::
 
 Example:
     >>> from jaxdecl import _dispatch, _runtime
+    >>> from jaxdecl._kernels import HostKernel
     >>> def kernel(ins, outs, eager):
     ...     outs[0][...] = 2 * ins[0]
-    >>> registered = _runtime.register((1, 2), "Double.apply (@forward)", kernel,
-    ...                                on_escape=None, instance_ref=None)
+    >>> registered = _runtime.register((1, 2), "Double.apply (@forward)",
+    ...                                HostKernel(kernel, on_escape=None), instance_ref=None)
     >>> slot = registered.slot
     >>> del registered  # the last reference: the registration goes with it
     >>> _dispatch.release_kernel(slot)  # nothing left to release
@@ -209,20 +210,27 @@ def _unpickled_keepalive() -> KeepAlive:
     return KeepAlive(None, None)
 
 
-def register(fingerprint: tuple, name: str, kernel, on_escape, instance_ref) -> Kernel:
-    """Registers a host kernel; it stays registered while the returned Kernel lives."""
+def register(fingerprint: tuple, name: str, host, instance_ref) -> Kernel:
+    """Registers a :class:`~jaxdecl._kernels.HostKernel`; it stays registered while
+    the returned Kernel lives."""
     setup_dispatcher()
     hi, lo = fingerprint
-    slot = _dispatch.register_kernel(hi, lo, name, kernel, on_escape, instance_ref,
-                                     getattr(kernel, "direct", None),
-                                     getattr(kernel, "on_failure", None),
-                                     getattr(kernel, "rows", None))
+    slot = _dispatch.register_kernel(hi, lo, name, host.call, host.on_escape, instance_ref,
+                                     host.direct, host.on_failure, host.rows)
     return Kernel(slot, fingerprint, name, instance_ref)
 
 
-def register_c(fingerprint: tuple, name: str, function: CFunction) -> Kernel:
-    """Registers a :class:`~jaxdecl.CFunction`; XLA calls it without the GIL."""
+def register_c(fingerprint: tuple, name: str, function: CFunction, *, operands=(),
+               rows=(), conj_from: int = -1) -> Kernel:
+    """Registers a :class:`~jaxdecl.CFunction`; XLA calls it without the GIL.
+
+    `operands`: the indices of the operands it takes (all if empty); `rows`:
+    ``batch="loop"``'s batch dims, run one row at a time by the dispatcher;
+    `conj_from`: for an adjoint rule, the first operand conjugated (see
+    :func:`jaxdecl._kernels.transpose_from_adjoint`), else -1.
+    """
     setup_dispatcher()
     hi, lo = fingerprint
-    slot = _dispatch.register_c_kernel(hi, lo, name, function.address, function.keepalive)
+    slot = _dispatch.register_c_kernel(hi, lo, name, function.address, function.keepalive,
+                                       operands, rows, conj_from)
     return Kernel(slot, fingerprint, name, None)

@@ -196,3 +196,128 @@ def test_a_c_kernel_split_by_xla_sees_its_block(tmp_path):
     assert "jaxdecl_dispatch_split" in f.lower(x).compile().as_text()
     np.testing.assert_array_equal(np.asarray(f(x)), np.full((8, 4), 2004.0))
     np.testing.assert_array_equal(np.asarray(RankAndRows()(jnp.ones((8, 4)))), 2008.0)
+
+
+ROWS_SOURCE = textwrap.dedent(r"""
+    #include <complex.h>
+    #include "jaxdecl.h"
+
+    static int64_t size(const jaxdecl_buffer* b) {
+      int64_t n = 1;
+      for (int64_t i = 0; i < b->rank; ++i) n *= b->dims[i];
+      return n;
+    }
+
+    /* out = x * w + sum(x) (float64, one element of a batch: x and w of one shape). */
+    int row_rule(const jaxdecl_buffer* in, int64_t nin, const jaxdecl_buffer* out,
+                 int64_t nout, char* message, int64_t message_size) {
+      const double* x = (const double*)in[0].data;
+      const double* w = (const double*)in[1].data;
+      double* y = (double*)out[0].data;
+      double total = 0;
+      int64_t n = size(&in[0]);
+      for (int64_t i = 0; i < n; ++i) total += x[i];
+      for (int64_t i = 0; i < n; ++i) y[i] = x[i] * w[i] + total;
+      return 0;
+    }
+
+    /* A x with A = diag(1 + 2i, 3 - i, ...): out = d * x, d_k = (1 + k) + (2 - 3k) i. */
+    int diag_apply(const jaxdecl_buffer* in, int64_t nin, const jaxdecl_buffer* out,
+                   int64_t nout, char* message, int64_t message_size) {
+      const double complex* x = (const double complex*)in[0].data;
+      double complex* y = (double complex*)out[0].data;
+      int64_t n = in[0].dims[in[0].rank - 1];
+      for (int64_t i = 0, total = size(&in[0]); i < total; ++i) {
+        int64_t k = i % n;
+        y[i] = ((1.0 + k) + (2.0 - 3.0 * k) * I) * x[i];
+      }
+      return 0;
+    }
+
+    /* Its adjoint A^H y = conj(d) * y. */
+    int diag_adjoint(const jaxdecl_buffer* in, int64_t nin, const jaxdecl_buffer* out,
+                     int64_t nout, char* message, int64_t message_size) {
+      const double complex* x = (const double complex*)in[0].data;
+      double complex* y = (double complex*)out[0].data;
+      int64_t n = in[0].dims[in[0].rank - 1];
+      for (int64_t i = 0, total = size(&in[0]); i < total; ++i) {
+        int64_t k = i % n;
+        y[i] = ((1.0 + k) - (2.0 - 3.0 * k) * I) * x[i];
+      }
+      return 0;
+    }
+""")
+
+
+@pytest.fixture(scope="module")
+def rows_library(tmp_path_factory):
+    return compile_c(ROWS_SOURCE, tmp_path_factory.mktemp("rows"), name="rows")
+
+
+def _no_jaxdecl_python_while(run) -> list:
+    """The jaxdecl Python functions that ran while `run()` ran (on this thread)."""
+    import os
+    import sys
+
+    package = os.path.dirname(jd.__file__)
+    seen = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(package):
+            seen.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        jax.block_until_ready(run())
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+def test_looped_c_kernel_runs_every_row_in_the_dispatcher(rows_library):
+    class RowRule(jd.Primitive):  # batch="loop", the default
+        @jd.abstract
+        def shapes(self, x, w):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+        apply = jd.forward(jd.cfunction(rows_library.row_rule, keepalive=rows_library))
+
+    rng = np.random.default_rng(5)
+    x, w = rng.standard_normal((4, 3, 5)), rng.standard_normal((3, 5))
+    # Two batch dims; w broadcast along the outer one (in_axes None), batched along the inner.
+    f = jax.jit(jax.vmap(jax.vmap(RowRule(), in_axes=(0, 0)), in_axes=(0, None)))
+    expected = x * w + x.sum(-1, keepdims=True)
+    np.testing.assert_allclose(f(x, w), expected, rtol=1e-13)
+    # Compiled: the 12 rows run without any of jaxdecl's Python.
+    assert _no_jaxdecl_python_while(lambda: f(x, w)) == []
+    np.testing.assert_allclose(jax.vmap(RowRule(), in_axes=(0, None))(x[:, 0], w[0]),
+                               x[:, 0] * w[0] + x[:, 0].sum(-1, keepdims=True), rtol=1e-13)
+
+
+def test_adjoint_c_kernel_gives_the_transpose_without_python(rows_library):
+    class Diag(jd.Primitive, linear=True):
+        @jd.abstract
+        def shapes(self, x):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+        apply = jd.forward(jd.cfunction(rows_library.diag_apply, keepalive=rows_library))
+        back = jd.adjoint(jd.cfunction(rows_library.diag_adjoint, keepalive=rows_library))
+
+    k = np.arange(4)
+    d = (1.0 + k) + (2.0 - 3.0 * k) * 1j
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((3, 4)) + 1j * rng.standard_normal((3, 4))
+    ct = rng.standard_normal((3, 4)) + 1j * rng.standard_normal((3, 4))
+    op = Diag()
+    np.testing.assert_allclose(op(x[0]), d * x[0], rtol=1e-14)
+    # JAX's transpose is the non-conjugated one: A^T ct = d * ct (A is diagonal).
+    transpose = jax.jit(jax.linear_transpose(op, x[0]))
+    np.testing.assert_allclose(transpose(ct[0])[0], d * ct[0], rtol=1e-14)
+    looped = jax.jit(jax.vmap(lambda c: jax.linear_transpose(op, x[0])(c)[0]))
+    np.testing.assert_allclose(looped(ct), d * ct, rtol=1e-14)
+    assert _no_jaxdecl_python_while(lambda: looped(ct)) == []
+    # The input buffer is untouched by the conjugation (it works on a copy).
+    ct_device = jnp.asarray(ct)
+    jax.block_until_ready(looped(ct_device))
+    np.testing.assert_array_equal(np.asarray(ct_device), ct)
+    jd.check(op, x[0])
