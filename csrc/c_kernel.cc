@@ -1,8 +1,8 @@
 // C kernels (kernels.h, jaxdecl.h): a rule compiled to a C function, run on
 // descriptions of XLA's buffers without the GIL: once, or once per row of a
 // looped batch (rows.h); given only the operands it takes; conjugated around
-// the call where the rule is an adjoint.  CallCKernel runs one on NumPy
-// arrays (jd.check calls a C rule from Python).
+// the call where the rule is an adjoint.  (From Python, jaxdecl/_cfunction.py
+// calls a kernel through ctypes.)
 //
 // Kept apart because it is the one path that touches no Python object per
 // call: the buffer descriptions and the error message buffer are all it needs.
@@ -127,19 +127,6 @@ std::string CallFunction(const Kernel& kernel, std::vector<jaxdecl_buffer> input
   return error;
 }
 
-// The element type code of a NumPy dtype, or -1: the same type number first
-// (one comparison per known code), an equivalent type only if none has it
-// (int64 is NumPy's long or long long, by how the array was made).
-int CodeOf(PyArray_Descr* descr) {
-  for (int c = 0; c < 256; ++c) {
-    if (g_descrs[c] != nullptr && g_descrs[c]->type_num == descr->type_num) return c;
-  }
-  for (int c = 0; c < 256; ++c) {
-    if (g_descrs[c] != nullptr && PyArray_EquivTypes(g_descrs[c], descr)) return c;
-  }
-  return -1;
-}
-
 // batch="loop": the function once per row, on descriptions of each row (the
 // batch dimensions dropped) moved along the buffers.  No Python, no GIL.
 std::string RunRowsOf(const Kernel& kernel, std::vector<jaxdecl_buffer> inputs,
@@ -183,35 +170,6 @@ std::string RunCKernel(const Kernel& kernel, const Call& call) {
                           ? CallFunction(kernel, std::move(inputs), outputs)
                           : RunRowsOf(kernel, std::move(inputs), std::move(outputs));
   return error.empty() ? error : kernel.name + ": " + error;
-}
-
-std::string CallCKernel(jaxdecl_kernel function, PyObject* inputs,
-                        PyObject* outputs) {
-  std::vector<jaxdecl_buffer> described[2];
-  std::vector<std::vector<int64_t>> dims;
-  PyObject* tuples[2] = {inputs, outputs};
-  dims.reserve(PyTuple_GET_SIZE(inputs) + PyTuple_GET_SIZE(outputs));
-  for (int side = 0; side < 2; ++side) {
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tuples[side]); ++i) {
-      PyObject* item = PyTuple_GET_ITEM(tuples[side], i);
-      if (!PyArray_Check(item) ||
-          !PyArray_IS_C_CONTIGUOUS(reinterpret_cast<PyArrayObject*>(item))) {
-        return "jaxdecl: C kernels take C-contiguous NumPy arrays";
-      }
-      auto* array = reinterpret_cast<PyArrayObject*>(item);
-      int code = CodeOf(PyArray_DESCR(array));
-      if (code < 0) return "jaxdecl: unsupported dtype for a C kernel";
-      npy_intp* shape = PyArray_SHAPE(array);
-      dims.emplace_back(shape, shape + PyArray_NDIM(array));
-      described[side].push_back(jaxdecl_buffer{
-          PyArray_DATA(array), dims.back().data(), PyArray_NDIM(array), code});
-    }
-  }
-  std::string error;
-  Py_BEGIN_ALLOW_THREADS
-  error = RunCFunction(function, described[0], described[1]);
-  Py_END_ALLOW_THREADS
-  return error;
 }
 
 }  // namespace jaxdecl

@@ -142,15 +142,6 @@ PYBIND11_MODULE(_dispatch, m) {
   m.def("release_kernel", &jaxdecl::ReleaseKernel, py::arg("slot"),
         "Drops a registration; False if the slot held none.");
 
-  m.def("call_c_kernel", [](uintptr_t address, py::tuple inputs,
-                            py::tuple outputs) -> py::object {
-    std::string error =
-        jaxdecl::CallCKernel(ToFunction(address), inputs.ptr(), outputs.ptr());
-    if (error.empty()) return py::none();
-    return py::str(error);
-  }, py::arg("address"), py::arg("inputs"), py::arg("outputs"),
-        "Runs a C kernel on NumPy arrays; returns None or its error message.");
-
   m.def("set_dtype", [](int code, py::object dtype) {
     if (code < 0 || code >= 256) throw py::value_error("element type code out of range");
     PyArray_Descr* descr = nullptr;

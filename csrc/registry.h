@@ -142,10 +142,6 @@ void SetCollect(PyObject* collect);
 // transfer guard: a rule calling JAX there would deadlock, so it fails).
 void SetWorkerGuard(PyObject* state, PyObject* name, PyObject* value);
 
-// Calls a C kernel on NumPy arrays (C-contiguous); returns "" or the error.
-std::string CallCKernel(jaxdecl_kernel function, PyObject* inputs,
-                        PyObject* outputs);
-
 }  // namespace jaxdecl
 
 #endif  // JAXDECL_CSRC_REGISTRY_H_

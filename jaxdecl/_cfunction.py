@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from . import _dispatch
+from . import _dtypes
 
 _capsule_name = ctypes.pythonapi.PyCapsule_GetName
 _capsule_name.restype = ctypes.c_char_p
@@ -79,9 +79,59 @@ class CFunction:
     def __call__(self, *inputs, out):
         outputs = out if isinstance(out, tuple) else (out,)
         inputs = tuple(np.ascontiguousarray(x) for x in inputs)
-        error = _dispatch.call_c_kernel(self.address, inputs, outputs)
+        if not all(isinstance(o, np.ndarray) and o.flags.c_contiguous and o.flags.writeable
+                   for o in outputs):
+            raise TypeError(f"{self.__name__}: out must be writable C-contiguous NumPy arrays")
+        error = _run(self.address, _describe(inputs), _describe(outputs))
         if error is not None:
             raise RuntimeError(f"{self.__name__}: {error}")
+
+
+# --- calling a C kernel from Python (jd.check, a rule calling one) ------------------------
+# Through ctypes, which releases the GIL around the call: XLA's dispatcher is
+# not needed to run a kernel on NumPy arrays.
+
+class _Buffer(ctypes.Structure):
+    """``jaxdecl_buffer`` (jaxdecl.h)."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("dims", ctypes.POINTER(ctypes.c_int64)),
+                ("rank", ctypes.c_int64), ("dtype", ctypes.c_int32)]
+
+
+_KERNEL = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(_Buffer), ctypes.c_int64,
+                           ctypes.POINTER(_Buffer), ctypes.c_int64, ctypes.c_char_p,
+                           ctypes.c_int64)
+_MESSAGE_SIZE = 64 * 1024  # as the dispatcher gives a kernel run by XLA
+_CODES = {_dtypes.numpy_dtype(name): code for name, code in _dtypes.ELEMENT_TYPES.items()}
+
+
+def _describe(arrays) -> tuple:
+    """``(buffers, keep)``: a ctypes array of jaxdecl_buffers over `arrays` (and what
+    must stay alive while it is used: the dims arrays)."""
+    buffers = (_Buffer * max(len(arrays), 1))()
+    keep = []
+    for buffer, array in zip(buffers, arrays):
+        code = _CODES.get(array.dtype)
+        if code is None:
+            raise TypeError(f"a C kernel cannot take dtype {array.dtype}")
+        dims = (ctypes.c_int64 * max(array.ndim, 1))(*array.shape)
+        keep.append(dims)
+        buffer.data, buffer.dims = array.ctypes.data, dims
+        buffer.rank, buffer.dtype = array.ndim, code
+    return buffers, len(arrays), keep
+
+
+def _run(address: int, inputs, outputs) -> str | None:
+    """Calls the kernel at `address`; None, or the message it failed with."""
+    message = ctypes.create_string_buffer(_MESSAGE_SIZE)
+    status = _KERNEL(address)(inputs[0], inputs[1], outputs[0], outputs[1], message,
+                              _MESSAGE_SIZE)
+    if status == 0:
+        return None
+    text = message.value.decode("utf-8", "backslashreplace")
+    if b"\0" not in message.raw:
+        text += " [message truncated]"
+    return f"C kernel failed with status {status}" + (f": {text}" if text else "")
 
 
 def cfunction(function, *, keepalive=None, name: str | None = None, saved: bool = False,

@@ -38,9 +38,6 @@ def register_c_kernel(fingerprint_hi: int, fingerprint_lo: int, name: str, addre
 def release_kernel(slot: int) -> bool:
     """Drops a registration; False if the slot held none."""
 
-def call_c_kernel(address: int, inputs: tuple, outputs: tuple) -> str | None:
-    """Runs a C kernel on C-contiguous NumPy arrays; returns None or its error."""
-
 def set_dtype(code: int, dtype: Any) -> None:
     """Maps an XLA element type code to a NumPy dtype."""
 

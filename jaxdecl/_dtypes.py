@@ -16,6 +16,15 @@ _SUPPORTED_DTYPES = frozenset(
 )
 
 
+#: jaxdecl.h's element type codes (XLA's own) by NumPy name: what a C kernel's
+#: ``jaxdecl_buffer.dtype`` says (the dispatcher's table agrees; tests check).
+ELEMENT_TYPES = {
+    "bool": 1, "int8": 2, "int16": 3, "int32": 4, "int64": 5, "uint8": 6, "uint16": 7,
+    "uint32": 8, "uint64": 9, "float16": 10, "float32": 11, "float64": 12, "complex64": 15,
+    "bfloat16": 16, "complex128": 18,
+}
+
+
 def numpy_dtype(name: str) -> np.dtype:
     """The NumPy dtype for one of :data:`SUPPORTED`."""
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)

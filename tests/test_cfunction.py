@@ -321,3 +321,17 @@ def test_adjoint_c_kernel_gives_the_transpose_without_python(rows_library):
     jax.block_until_ready(looped(ct_device))
     np.testing.assert_array_equal(np.asarray(ct_device), ct)
     jd.check(op, x[0])
+
+
+def test_element_type_codes_agree_with_the_dispatcher():
+    # A C kernel called from Python (ctypes) and from XLA sees the same dtype codes.
+    from jaxdecl import _dispatch, _dtypes
+
+    assert _dtypes.ELEMENT_TYPES == _dispatch.element_types()
+    assert set(_dtypes.ELEMENT_TYPES) == set(jd.SUPPORTED_DTYPES)
+
+
+def test_python_call_reports_a_truncated_message(library):
+    kernel = jd.cfunction(library.verbose, keepalive=library)
+    with pytest.raises(RuntimeError, match=r"status 7: abc.{4990,}END$"):
+        kernel(np.ones(2), out=np.empty(2))
