@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "fp_env.h"
 #include "kernels.h"
 #include "rows.h"
 #include "views.h"
@@ -166,9 +167,13 @@ std::string RunCKernel(const Kernel& kernel, const Call& call) {
       !Describe(call.rets, call.drop, &outputs)) {
     return "jaxdecl: an operand is not a buffer";
   }
-  std::string error = kernel.row_dims.empty()
-                          ? CallFunction(kernel, std::move(inputs), outputs)
-                          : RunRowsOf(kernel, std::move(inputs), std::move(outputs));
+  std::string error;
+  {
+    RuleFpEnvironment environment;  // the caller's usual one, not XLA's (fp_env.h)
+    error = kernel.row_dims.empty()
+                ? CallFunction(kernel, std::move(inputs), outputs)
+                : RunRowsOf(kernel, std::move(inputs), std::move(outputs));
+  }
   return error.empty() ? error : kernel.name + ": " + error;
 }
 

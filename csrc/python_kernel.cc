@@ -12,6 +12,7 @@
 #include <Python.h>
 
 #include "errors.h"
+#include "fp_env.h"
 #include "kernels.h"
 #include "rows.h"
 #include "views.h"
@@ -187,7 +188,11 @@ std::string RunPythonKernel(const Kernel& kernel, const Call& call) {
     return error;
   }
   PyObject* previous = on_worker ? EnterGuard() : nullptr;
-  std::string error = RunWithViews(kernel, call);
+  std::string error;
+  {
+    RuleFpEnvironment environment;  // Python's, not XLA's (fp_env.h)
+    error = RunWithViews(kernel, call);
+  }
   LeaveGuard(previous);
   PyGILState_Release(gil);
   return error;

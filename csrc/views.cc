@@ -4,6 +4,8 @@
 
 #include "views.h"
 
+#include "fp_env.h"
+
 #include <chrono>
 #include <thread>
 
@@ -114,7 +116,13 @@ std::string CheckEscapes(const Kernel& kernel, PyObject* inputs,
 
 // registry.h's hooks for what Python configures.
 
+FpControl& RuleFpControl() {
+  static FpControl control = ReadFpControl();
+  return control;
+}
+
 bool Initialize() {
+  RuleFpControl() = ReadFpControl();  // Python's, on the importing thread
   PyObject* gc = PyImport_ImportModule("gc");
   if (gc == nullptr) return false;
   g_gc_collect = PyObject_GetAttrString(gc, "collect");
