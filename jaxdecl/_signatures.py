@@ -312,6 +312,22 @@ def check_traced(spec, layout, rule_kind: str, wrt: int, io) -> None:
         why = (f"the op's inputs ({', '.join(spec.params)}), then one cotangent per "
                f"floating or complex output ({len(outputs)} here)")
     elif rule_kind == TRANSPOSE:
+        # A transpose that names a floating input as a leading parameter almost
+        # always means an input the op is not linear in (coordinates): nondiff=.
+        named = [p for p in found.positional[1:] if p in with_tangent]
+        if named and len(with_tangent) > len(named):
+            listed = ", ".join(repr(p) for p in named)
+            raise DeclarationError(
+                f"{spec.name}.{rule.name} ({_decorator(rule)}) takes {listed}, "
+                f"{'a floating input' if len(named) == 1 else 'floating inputs'} of "
+                f"{spec.name} that jaxdecl differentiates: a linear op's transpose receives "
+                f"only the inputs it is not linear in. Declare "
+                f"{'it' if len(named) == 1 else 'them'} non-differentiable: "
+                f"`class {spec.name}(jd.Primitive, linear=True, "
+                f"nondiff=({', '.join(repr(p) for p in named)},))` (or "
+                f"@jd.primitive(..., nondiff=...)); if {spec.name} is linear in "
+                f"{'it' if len(named) == 1 else 'them'}, drop "
+                f"{'it' if len(named) == 1 else 'them'} from the signature")
         expected = without + cts
         why = (f"the inputs without a tangent ({', '.join(without) or 'none'}), then one "
                f"cotangent per floating or complex output ({len(outputs)} here)")

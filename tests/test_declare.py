@@ -668,6 +668,46 @@ def test_vjp_with_too_few_cotangents_fails_when_traced(jit):
         (jax.jit(f) if jit else f)(jnp.ones(3))
 
 
+class Gather(jd.Primitive, linear=True):
+    """c[idx(points)] * 2: linear in `c`, with floating `points` that lack nondiff=."""
+
+    @jd.abstract
+    def shapes(self, points, c):
+        return jax.ShapeDtypeStruct(points.shape, c.dtype)
+
+    @jd.forward
+    def apply(self, points, c):
+        return 2 * c[(points * (c.shape[0] - 1)).astype(int)]
+
+    @jd.transpose
+    def back(self, points, ct):
+        return None  # never reached: the declaration is refused first
+
+
+@pytest.mark.parametrize("how", ["grad", "linear_transpose"])
+def test_transpose_taking_a_floating_input_names_nondiff(how):
+    # The fix is nondiff=, not a shorter signature: the error says so.
+    points, c = jnp.linspace(0.0, 1.0, 4), jnp.arange(5.0)
+    f = (jax.grad(lambda c: Gather()(points, c).sum()) if how == "grad" else
+         lambda c: jax.linear_transpose(lambda v: Gather()(points, v), c)(jnp.ones(4)))
+    with pytest.raises(jd.DeclarationError,
+                       match=r"Gather\.back \(@transpose\) takes 'points', a floating input of "
+                             r"Gather that jaxdecl differentiates.*"
+                             r"nondiff=\('points',\)"):
+        f(c)
+
+    class Fixed(Gather, nondiff=("points",)):
+        @jd.transpose
+        def back(self, points, ct):
+            out = np.zeros(5)
+            np.add.at(out, (points * 4).astype(int), 2 * ct)
+            return out
+
+    grad = jax.grad(lambda c: Fixed()(points, c).sum())(c)
+    index = (np.asarray(points) * 4).astype(int)  # [0, 1, 2, 4]
+    np.testing.assert_allclose(grad, 2.0 * np.bincount(index, minlength=5))
+
+
 class IntegerSecondOutput(jd.Primitive):
     """(x**2, argsort(x)): the integer output takes no cotangent, so (self, x, ct) is right."""
 
