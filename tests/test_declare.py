@@ -668,7 +668,7 @@ def test_vjp_with_too_few_cotangents_fails_when_traced(jit):
         (jax.jit(f) if jit else f)(jnp.ones(3))
 
 
-class Gather(jd.Primitive, linear=True):
+class Pick(jd.Primitive, linear=True):
     """c[idx(points)] * 2: linear in `c`, with floating `points` that lack nondiff=."""
 
     @jd.abstract
@@ -688,15 +688,15 @@ class Gather(jd.Primitive, linear=True):
 def test_transpose_taking_a_floating_input_names_nondiff(how):
     # The fix is nondiff=, not a shorter signature: the error says so.
     points, c = jnp.linspace(0.0, 1.0, 4), jnp.arange(5.0)
-    f = (jax.grad(lambda c: Gather()(points, c).sum()) if how == "grad" else
-         lambda c: jax.linear_transpose(lambda v: Gather()(points, v), c)(jnp.ones(4)))
+    f = (jax.grad(lambda c: Pick()(points, c).sum()) if how == "grad" else
+         lambda c: jax.linear_transpose(lambda v: Pick()(points, v), c)(jnp.ones(4)))
     with pytest.raises(jd.DeclarationError,
-                       match=r"Gather\.back \(@transpose\) takes 'points', a floating input of "
-                             r"Gather that jaxdecl differentiates.*"
+                       match=r"Pick\.back \(@transpose\) takes 'points', a floating input of "
+                             r"Pick that jaxdecl differentiates.*"
                              r"nondiff=\('points',\)"):
         f(c)
 
-    class Fixed(Gather, nondiff=("points",)):
+    class Fixed(Pick, nondiff=("points",)):
         @jd.transpose
         def back(self, points, ct):
             out = np.zeros(5)
