@@ -9,7 +9,10 @@ or hands it the whole batch (``batch="vectorized"``). Derived rules (jvp, vjp,
 transpose) batch the same way, so users write no batching code for them.
 
 A user ``@batch`` rule handles the forward; a linear op's ``transpose`` is then
-batched as the transpose of that batched forward, so one rule serves both.
+batched as the transpose of that batched forward, so one rule serves both. The
+rule sees every mix of batched and unbatched inputs ``vmap`` can make; by
+returning ``NotImplemented`` it declines one, which then batches as without it
+(the class's ``batch=`` mode).
 The forward that keeps residuals for a derivative (``forward_saving``) is
 batched like the derivative rules: a ``@batch`` rule returns outputs only.
 """
@@ -39,9 +42,14 @@ def batch_rule(args, dims, *, equation):
     spec = op.spec
     user = spec.rules.get("batch")
     if user is not None and rule == FORWARD:
-        return _user_batch(op, args, dims, op.layout(primals))
-    if user is not None and rule == TRANSPOSE:
-        return _transpose_of_user_batch(op, args, dims, primals)
+        batched = _user_batch(op, args, dims, op.layout(primals))
+        if batched is not NotImplemented:
+            return batched
+    elif user is not None and rule == TRANSPOSE:
+        try:
+            return _transpose_of_user_batch(op, args, dims, primals)
+        except _Declined:
+            pass
     size = _batch_size(args, dims)
     moved = [jnp.expand_dims(x, 0) if d is not_mapped else jnp.moveaxis(x, d, 0)
              for x, d in zip(args, dims)]
@@ -56,6 +64,8 @@ def _call_user_batch(op, args, axes, layout):
         args = _structure.pack(layout.in_groups, args)
         axes = _structure.pack(layout.in_groups, axes)
     result = rule.bind(op.instance)(tuple(args), tuple(axes))
+    if result is NotImplemented:  # declined: batched as without the rule
+        return result
     try:
         outs, out_axes = result
     except (TypeError, ValueError):
@@ -123,7 +133,10 @@ def _transpose_of_user_batch(op, args, dims, primals):
             axes[i] = None if lead_dims[position] is not_mapped else lead_dims[position]
         for x, i in zip(linear, diff):
             full[i], axes[i] = x, 0
-        outs, out_axes = _call_user_batch(op, full, axes, layout)
+        batched = _call_user_batch(op, full, axes, layout)
+        if batched is NotImplemented:
+            raise _Declined
+        outs, out_axes = batched
         moved = [jnp.broadcast_to(o, (size,) + o.shape) if a is not_mapped
                  else jnp.moveaxis(o, a, 0) for o, a in zip(outs, out_axes)]
         return [o for o, f in zip(moved, layout.float_out) if f]
@@ -132,6 +145,10 @@ def _transpose_of_user_batch(op, args, dims, primals):
                for i in diff]
     results = jax.linear_transpose(batched_forward, *structs)(cts)
     return list(results), [0] * len(results)
+
+
+class _Declined(Exception):
+    """The @batch rule returned NotImplemented while its transpose was being traced."""
 
 
 _compat.batching.primitive_batchers[jaxdecl_p] = batch_rule

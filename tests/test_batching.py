@@ -204,7 +204,7 @@ def fft_ref(x, axis):
 
 @pytest.fixture(autouse=True)
 def _reset_counters():
-    for cls in (*MULS.values(), *PAIRS.values(), FFT):
+    for cls in (*MULS.values(), *PAIRS.values(), FFT, Dft):
         cls.calls.clear()
     for cls in (*MULS.values(), FFT):
         cls.seen.clear()
@@ -461,6 +461,72 @@ def test_user_batch_rule_makes_one_call():
     assert FFT.calls == {"batch": 1, "forward": 1}
     assert FFT.seen["forward"] == [(6, 5, 4)]
     assert "jaxdecl_dispatch" in f.lower(x).as_text()
+
+
+class Dft(jd.Primitive, linear=True, nondiff=("points",)):
+    """A non-uniform DFT, sum_j c_j exp(i k x_j): linear in `c`, `points` non-differentiable.
+
+    Its @batch rule batches strengths natively (one call with a leading batch) and
+    declines a batch of point sets, which then runs one call per element.
+    """
+
+    calls: ClassVar[collections.Counter] = collections.Counter()
+
+    def __init__(self, batched=False):
+        self.batched = batched
+
+    @jd.abstract
+    def shapes(self, points, c):
+        return jax.ShapeDtypeStruct(c.shape[:-1] + (6,), c.dtype)
+
+    def _matrix(self, points):
+        return np.exp(1j * np.outer(np.arange(6), points))
+
+    @jd.forward
+    def apply(self, points, c):
+        type(self).calls["forward"] += 1
+        return (c @ self._matrix(points).T).astype(c.dtype)
+
+    @jd.transpose
+    def back(self, points, ct):
+        type(self).calls["transpose"] += 1
+        return (ct @ self._matrix(points)).astype(ct.dtype)
+
+    @jd.batch
+    def batch(self, args, axes):
+        (points, c), (points_axis, c_axis) = args, axes
+        type(self).calls[f"batch {points_axis} {c_axis}"] += 1
+        if points_axis is not None or self.batched:
+            return NotImplemented
+        return Dft(batched=True)(points, jnp.moveaxis(c, c_axis, 0)), 0
+
+
+def _dft_ref(points, c):
+    return c @ np.exp(1j * np.outer(np.arange(6), points)).T
+
+
+def test_a_batch_rule_declines_the_mixes_it_does_not_handle():
+    rng = np.random.default_rng(21)
+    points, c = rng.uniform(0, 1, (3, 5)), rng.standard_normal((3, 5)) + 0j
+    op = Dft()
+    # strengths batched, points shared: the rule's one call
+    np.testing.assert_allclose(jax.vmap(op, in_axes=(None, 0))(points[0], c),
+                               _dft_ref(points[0], c), rtol=1e-12)
+    assert Dft.calls == {"batch None 0": 1, "forward": 1}
+    # points batched: declined, then one call per element (batch="loop")
+    Dft.calls.clear()
+    got = jax.jit(jax.vmap(op))(points, c)
+    np.testing.assert_allclose(got, np.stack([_dft_ref(p, v) for p, v in zip(points, c)]),
+                               rtol=1e-12)
+    assert Dft.calls == {"batch 0 0": 1, "forward": 3}
+    # the transpose of a declined batch is declined too, and right
+    Dft.calls.clear()
+    ct = rng.standard_normal((3, 6)) + 1j * rng.standard_normal((3, 6))
+    transposed = jax.vmap(lambda p, v: jax.linear_transpose(lambda x: op(p, x), c[0])(v)[0])
+    expected = np.stack([t @ np.exp(1j * np.outer(np.arange(6), p)) for p, t in zip(points, ct)])
+    np.testing.assert_allclose(transposed(points, ct), expected, rtol=1e-12)
+    assert Dft.calls["transpose"] == 3
+    jd.check(op, points[0], c[0])
 
 
 # ---------------------------------------------------------------------------
