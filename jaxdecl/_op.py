@@ -197,9 +197,8 @@ class OpHandle:
                 function, io, zero_copy, name, 0 if ref is None else 1, batch_rank)
         elif io.structured:
             # The rule takes and returns pytrees; the kernel deals in flat arrays.
-            function = _structure.structured_rule(
+            function, io = _structure.structured_rule(
                 function, io, zero_copy, name, n_head=0 if ref is None else 1)
-            io = dataclasses.replace(io, single_result=False)
         if user.kind == "adjoint":
             function = _kernels.transpose_from_adjoint(
                 function, zero_copy, n_lead, takes_instance=ref is not None)

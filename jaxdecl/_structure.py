@@ -24,6 +24,8 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -155,27 +157,95 @@ def _describe(value) -> str:
     return str(_tree.tree_map(lambda x: type(x).__name__, value, is_leaf=_is_none))[:200]
 
 
-def structured_rule(function, io: RuleIO, zero_copy: bool, context: str, n_head: int = 0):
-    """`function` as a rule of flat operands and flat results.
+def structured_rule(function, io: RuleIO, zero_copy: bool, context: str,
+                    n_head: int = 0) -> tuple:
+    """``(rule, io)``: `function` as a rule of flat operands and flat results.
 
-    Called as ``rule(*head, *operands)`` (return form: returns the flat
-    results, None for zero ones) or ``rule(*head, *operands, out=flat_outs)``
-    (zero-copy: fills the views through their pytree). `n_head` leading
-    arguments (the op instance) pass unchanged.
+    Called as ``rule(*head, *operands)`` (return form) or ``rule(*head,
+    *operands, out=...)`` (zero-copy: fills the views through their pytree).
+    `n_head` leading arguments (the op instance) pass unchanged. Where only
+    the arguments are pytrees, the results pass as the rule gives them and
+    `io` is unchanged, so the kernel stores them as an array op's (a pytree
+    argument then costs its packing alone); else the rule returns (or takes)
+    the flat results, and the returned `io` says so.
     """
     args_groups, result_groups, single = io.args, io.results, io.single_result
-
+    pack_args = packer(args_groups)
+    if all(g.tree is None for g in result_groups):
+        rule = _argument_packing_rule(function, args_groups, len(io.in_names), zero_copy, n_head)
+        return rule, io
     if zero_copy:
         def rule(*operands, out):
             head, flat = operands[:n_head], operands[n_head:]
             outs = pack(result_groups, out)
-            return function(*head, *pack(args_groups, flat), out=outs[0] if single else
-                            tuple(outs))
+            return function(*head, *pack_args(flat), out=outs[0] if single else tuple(outs))
     else:
         def rule(*operands):
             head, flat = operands[:n_head], operands[n_head:]
-            return unpack(io, function(*head, *pack(args_groups, flat)), context)
-    return rule
+            return unpack(io, function(*head, *pack_args(flat)), context)
+    return rule, dataclasses.replace(io, single_result=False)
+
+
+def _argument_packing_rule(function, groups, n_operands: int, zero_copy: bool, n_head: int):
+    """``rule(*head, *operands[, out])``: `function` called with its pytree arguments.
+
+    Its source is written for these groups, e.g. ``function(h0, {'x': v0, 'y': v1}, v2,
+    out=out)``: the kernel calls it on every call, and a loop over the groups
+    (or a tree's ``unflatten``) would cost more than the rule's own call.
+    """
+    names = {"function": function}
+    args = [f"h{k}" for k in range(n_head)]
+    for index, group in enumerate(groups):
+        leaves = ["None" if s < 0 else f"v{s}" for s in group.slots]
+        if group.tree is None:
+            args.append(leaves[0])
+            continue
+        try:
+            args.append(_literal(group.tree, iter(leaves)))
+        except _NotLiteral:  # another node type: JAX rebuilds it
+            names[f"t{index}"] = group.tree.unflatten
+            args.append(f"t{index}([{', '.join(leaves)}])")
+    params = [f"h{k}" for k in range(n_head)] + [f"v{k}" for k in range(n_operands)]
+    if zero_copy:
+        params.append("*, out")
+        args.append("out=out")
+    source = f"def rule({', '.join(params)}):\n    return function({', '.join(args)})\n"
+    exec(compile(source, "<jaxdecl pytree arguments>", "exec"), names)  # noqa: S102
+    return names["rule"]
+
+
+class _NotLiteral(Exception):
+    pass
+
+
+def _literal(tree, leaves) -> str:
+    """Python source that builds `tree` from `leaves` (sources), for dicts, tuples, lists."""
+    if tree.num_nodes == 1 and tree.num_leaves == 1:
+        return next(leaves)
+    kind, keys = tree.node_data()
+    parts = [_literal(child, leaves) for child in tree.children()]
+    if kind is dict and all(type(k) in (str, int) for k in keys):
+        return "{" + ", ".join(f"{k!r}: {p}" for k, p in zip(keys, parts)) + "}"
+    if kind is tuple:
+        return "(" + "".join(f"{p}, " for p in parts) + ")"
+    if kind is list:
+        return "[" + ", ".join(parts) + "]"
+    if kind is type(None):
+        return "None"
+    raise _NotLiteral
+
+
+def packer(groups):
+    """``pack(values)``: :func:`pack` for these `groups`, with their shapes decided once."""
+    steps = [(g.slots[0], None, None) if g.tree is None else
+             (-1, g.tree.unflatten, g.slots) for g in groups]
+
+    def pack_values(values):
+        return [values[index] if unflatten is None else
+                unflatten([None if s < 0 else values[s] for s in slots])
+                for index, unflatten, slots in steps]
+
+    return pack_values
 
 
 def traceable_rule(function, io: RuleIO, context: str):

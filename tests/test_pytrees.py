@@ -745,3 +745,33 @@ def test_multilinear_op_takes_objects_with_jax_array(transform):
         "vmap": lambda f: jax.vmap(f, in_axes=(None, 0))(a, Box(jnp.ones((4, 3)), "x")),
     }
     _assert_trees_close(cases[transform](op), cases[transform](jnp.matmul))
+
+
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_nested_builtin_containers_reach_the_rule_as_given(zero_copy):
+    # Dicts, tuples, lists, None and empty containers are rebuilt for the rule as the
+    # caller built them (the kernel writes them out as literals: see _structure).
+    seen = []
+
+    class Weigh(jd.Primitive, nondiff=("spec",)):
+        @jd.abstract
+        def shapes(self, spec, c):
+            return jax.ShapeDtypeStruct(c.shape, c.dtype)
+
+        if zero_copy:
+            @jd.forward
+            def apply(self, spec, c, *, out):
+                seen.append(jax.tree_util.tree_structure(spec))
+                out[...] = c * spec["w"][0] + spec["shift"][1][0]
+        else:
+            @jd.forward
+            def apply(self, spec, c):
+                seen.append(jax.tree_util.tree_structure(spec))
+                return c * spec["w"][0] + spec["shift"][1][0]
+
+    spec = {"w": (jnp.float64(2.0),), "shift": [None, [jnp.float64(0.5)]], "empty": {},
+            "nothing": ()}
+    c = jnp.arange(3.0)
+    for f in (Weigh(), jax.jit(Weigh())):
+        np.testing.assert_array_equal(f(spec, c), 2.0 * np.arange(3.0) + 0.5)
+    assert seen and all(s == jax.tree_util.tree_structure(spec) for s in seen)
