@@ -384,6 +384,13 @@ def sdy_rule_attribute(rule, operand_avals, result_avals, module_context):
     return attribute
 
 
+def constrained_to_type(ctx, value, aval):
+    """`value` laid out as the sharding in `aval`'s type, as JAX lowers its own ops."""
+    from jax._src.interpreters import mlir as internal
+
+    return internal.lower_with_sharding_in_types(ctx, value, aval)
+
+
 def reshape(ctx, value, aval):
     """An HLO reshape of `value` to `aval` inside lowering rule context `ctx`."""
     from jax._src.interpreters import mlir as internal

@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import numpy as np
 from jax.core import ShapedArray
 
 from . import _compat, _errors, _plan, _runtime, _shardmap, _strategy
@@ -242,7 +243,7 @@ def sharded_call(eqn, mesh, specs, operands, *, single=False, rebuild=None,
                        explicit=_compat.has_explicit_axes(mesh))
     shard, local_in = _plan.local_equation(eqn, factors, p, axis_sizes, in_shapes)
     kernel, pin = shard.kernel(local_in)
-    want = tuple(tuple(s) for s in _plan.result_specs(eqn, p, specs))
+    want = tuple(tuple(s) for s in _plan.result_specs(eqn, p, specs, in_shapes))
     caller = sharded_executable(mesh, p, not eqn.declared, tuple(specs), want,
                                 shard.out_avals())
     call = Call(kernel, shard.out_avals(), single, rebuild=rebuild, caller=caller)
@@ -260,9 +261,12 @@ def _one_device(eqn, operands, mesh, specs, single, rebuild):
     placements = None
     mesh = mesh if mesh is not None else _compat.context_mesh()
     if mesh is not None:
-        whole = [(None,) * len(s) for s, _ in eqn.out_avals()]
-        per_result = _plan.result_specs(eqn, _plan.Plan({}, (), tuple(whole), ()),
-                                        specs or [_plan.spec_of(x) for x in operands])
+        specs = specs or [_plan.spec_of(x) for x in operands]
+        # Operands on another mesh place no result (their specs name its axes).
+        elsewhere = frozenset(i for i, x in enumerate(operands)
+                              if getattr(getattr(x, "sharding", None), "mesh", None) != mesh)
+        per_result = _plan.result_specs(eqn, _plan.whole_plan(eqn), specs,
+                                        [np.shape(x) for x in operands], elsewhere)
         placements = [_compat.NamedSharding(mesh, _compat.P(*s)) for s in per_result]
 
     def run_whole(values):

@@ -104,7 +104,7 @@ def lower(ctx, *args, equation):
     if strategy is Strategy.DIRECT:
         if devices > 1 and eqn.declared:
             _warn_cannot_split(eqn.name)
-        return lower_direct(ctx, args, eqn, in_shapes)
+        return lower_direct(ctx, args, eqn, in_shapes, typed=explicit)
     if strategy is Strategy.SPLIT:
         return lower_split(ctx, args, eqn, factors, devices, rank)
     if strategy is Strategy.PARTITIONED:
@@ -151,9 +151,17 @@ def _call_site(ctx, eqn, in_shapes) -> dict:
                 recipe=recipe)
 
 
-def lower_direct(ctx, args, eqn, in_shapes):
-    """One custom call of the kernel (see :func:`_call_site`)."""
-    return _ffi_lowering(ctx, *args, **_call_site(ctx, eqn, in_shapes))
+def lower_direct(ctx, args, eqn, in_shapes, typed: bool = False):
+    """One custom call of the kernel (see :func:`_call_site`).
+
+    `typed`: over Explicit axes (an op without a declaration on a JAX that
+    cannot run it once), every device runs the call on gathered operands, then
+    keeps the slice of each result its type names (no communication).
+    """
+    outs = _ffi_lowering(ctx, *args, **_call_site(ctx, eqn, in_shapes))
+    if typed:
+        outs = [_compat.constrained_to_type(ctx, o, a) for o, a in zip(outs, ctx.avals_out)]
+    return outs
 
 
 _ffi_lowering = jax.ffi.ffi_lowering(_runtime.TARGET, has_side_effect=False)

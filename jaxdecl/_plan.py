@@ -182,8 +182,13 @@ def plan_for(eqn, factors, specs, axis_sizes: dict, *, explicit: bool) -> Plan:
     return p
 
 
-def result_specs(eqn, p: Plan, operand_specs, meshless=frozenset()) -> list:
+def result_specs(eqn, p: Plan, operand_specs, operand_shapes, meshless=frozenset()) -> list:
     """The specs the results of `eqn` have under plan `p`.
+
+    A result of an op without a declaration is laid out like the operand it
+    mirrors (:func:`mirrored`), as JAX's elementwise ops keep their operand's
+    type: the plan computes it whole (but its vmapped dims), and each device
+    then keeps its slice of it (no communication).
 
     A cotangent has its primal's sharding, as for JAX's own ops: the cotangent
     of an input split along fewer factors than the plan splits (a replicated
@@ -193,11 +198,39 @@ def result_specs(eqn, p: Plan, operand_specs, meshless=frozenset()) -> list:
     sharding, as JAX's elementwise ops leave it.
     """
     specs = list(p.result_specs)
+    if not eqn.declared:
+        for j, (shape, _) in enumerate(eqn.out_avals()):
+            i = mirrored(shape, operand_specs, operand_shapes, meshless)
+            if i is not None:
+                specs[j] = tuple(operand_specs[i])
     if eqn.rule == "vjp" and _compat.COTANGENTS_TYPED_LIKE_PRIMALS:
         for j, i in enumerate(eqn.layout.diff_indices):
             if i not in meshless:
                 specs[j] = tuple(operand_specs[i])
     return specs
+
+
+def mirrored(shape, operand_specs, operand_shapes, meshless=frozenset()):
+    """The operand a result of `shape` mirrors, or None: the first one of that shape
+    (batch dims included) split over the mesh, not in `meshless`.
+
+    Example:
+        >>> mirrored((8, 4), [(None, None), ("d", None), (None, "d")],
+        ...          [(8, 4), (8, 4), (8, 4)])
+        1
+        >>> mirrored((4,), [("d", None)], [(8, 4)]) is None
+        True
+    """
+    for i, (spec, own) in enumerate(zip(operand_specs, operand_shapes)):
+        if i not in meshless and tuple(own) == tuple(shape) and any(map(_axes, spec)):
+            return i
+    return None
+
+
+def whole_plan(eqn) -> Plan:
+    """The plan of a call that runs on whole operands (one device, or every device on
+    gathered inputs): every result whole, nothing summed."""
+    return Plan({}, (), tuple((None,) * len(shape) for shape, _ in eqn.out_avals()), ())
 
 
 def warn_gathers(eqn, p: Plan) -> None:

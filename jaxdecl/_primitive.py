@@ -80,12 +80,16 @@ def _abstract_eval(*avals, equation):
     strategy = _strategy.choose(_strategy.facts(
         devices=math.prod(dict(mesh.shape).values()), declared=eqn.declared,
         explicit=_compat.has_explicit_axes(mesh)))
+    shapes_in = tuple(tuple(a.shape) for a in avals)
     if strategy is Strategy.DIRECT:
-        return whole()
-    factors = eqn.factors(tuple(tuple(a.shape) for a in avals))
-    p = _plan.plan_for(eqn, factors, specs, dict(mesh.shape), explicit=True)
+        # (an op without a declaration, on a JAX that cannot run it once: every
+        # device runs it on gathered inputs, and keeps its slice of each result)
+        p = _plan.whole_plan(eqn)
+    else:
+        factors = eqn.factors(shapes_in)
+        p = _plan.plan_for(eqn, factors, specs, dict(mesh.shape), explicit=True)
     meshless = {i for i, a in enumerate(avals) if mesh_of([a]) is None}
-    return typed(_plan.result_specs(eqn, p, specs, meshless))
+    return typed(_plan.result_specs(eqn, p, specs, shapes_in, meshless))
 
 
 jaxdecl_p.def_impl(_impl)

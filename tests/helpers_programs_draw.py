@@ -16,9 +16,10 @@
   sums so that each op's result combines with other arrays;
 - 0-3 nested transforms (``TRANSFORMS``): ``jit``, ``grad``, ``jvp``, ``vjp``,
   ``linearize``, ``vmap`` (the inputs get a batch dim, itself maybe sharded),
-  ``lax.scan`` (the first input is the carry, the others are stacked), ``checkpoint``
-  and ``shard_map`` (``in_specs`` the inputs' specs). Second derivatives only of
-  programs whose ops are linear: a NumPy rule has none (a documented refusal).
+  ``lax.scan`` (the first input is the carry, which the program's first op takes, each
+  op kind alike; the others are stacked), ``checkpoint`` and ``shard_map``
+  (``in_specs`` the inputs' specs). Second derivatives only of programs whose ops are
+  linear: a NumPy rule has none (a documented refusal).
 
 The draw is Python source defining ``run(ops)`` (``helpers_programs_source.py`` writes
 it); run with ``helpers_programs_ops.OPS`` it is the jaxdecl program, with ``TWINS`` its
@@ -45,13 +46,13 @@ GROUPS = ("auto-1d", "auto-2d", "explicit-1d", "explicit-2d", "processes")
 AXES = {"1d": {"d": 4}, "2d": {"x": 2, "y": 2}}
 SHAPES = ((8,), (8, 4), (4, 8), (8, 6))
 BATCH, STEPS = 4, 3  # the size of a vmap batch, the length of a scan
+CARRY_TRIES = 100  # draws of the inputs until the op a scan's carry takes fits them
 TRANSFORMS = {"jit": 20, "grad": 14, "vmap": 14, "shard_map": 10, "jvp": 8, "vjp": 8,
               "scan": 8, "linearize": 7, "checkpoint": 6}
 DERIVATIVES = ("grad", "jvp", "vjp", "linearize")
 ONCE = ("jit", "shard_map", "scan", "checkpoint")  # at most once per draw
 OPS = ("Quad", "Mul", "Tanh", "SinRes", "Scale", "MatVec", "CumSum")
 LINEAR = ("Scale", "MatVec", "CumSum")  # every order of derivative works
-UNDECLARED = ("Tanh",)  # results typed whole: no sharding-type check
 CONFIGS = {"Quad": ("0.1", "0.2", "0.3"), "Scale": ("2.0", "-0.5", "3.0"),
            "Tanh": ("1.0", "0.5", "2.0")}
 ARGS = "abc"
@@ -103,19 +104,40 @@ def _promote(*dtypes) -> str:
 # The program
 # ---------------------------------------------------------------------------------------
 
+def _choices(x: _Value, values: list, rank: int, scans: tuple, linear: bool) -> list:
+    """The op kinds that may take `x` beside `values` (MatVec, which needs a matrix and a
+    vector of its dtype, weighted up); `linear`: linear ones only. `scans`: the kinds of
+    values whose last dim CumSum may need whole (under Explicit axes JAX's cumsum, the
+    twin, refuses a split one)."""
+    vectors = [v for v in values if v.kind == "last" and v.dtype == x.dtype]
+    choices = ["Quad", "Mul", "Tanh", "SinRes", "Scale"]
+    if x.dtype != "complex128":
+        choices += ["CumSum"] if x.kind in scans else []
+        if x.kind == "full" and rank == 2 and vectors:
+            choices += ["MatVec"] * 4
+    return [op for op in choices if op in LINEAR] if linear else choices
+
+
 class _Program:
     """Lines of ``program(...)``, the ops created once outside it, and the features."""
 
-    def __init__(self, rnd: random.Random, inputs: list, rank: int, scans: tuple):
-        # scans: the kinds of values whose last dim CumSum may need whole (under
-        # Explicit axes JAX's cumsum, the twin, refuses a split one)
-        self.rnd, self.rank, self.scans = rnd, rank, scans
+    def __init__(self, rnd: random.Random, inputs: list, rank: int, scans: tuple,
+                 carry: str = "", linear: bool = False):
+        # carry: the op kind the first input takes first (a scan's carry); linear:
+        # linear ops only (the program is differentiated twice)
+        self.rnd = rnd
         self.values = list(inputs)
         self.lines, self.reused, self.used, self.features = [], {}, [], set()
         last = None
-        for _ in range(rnd.randint(1, 3)):
-            x = last if last is not None and rnd.random() < 0.6 else rnd.choice(self.values)
-            previous, last = last, self._assign(*self._apply(x))
+        for k in range(rnd.randint(1, 3)):
+            if carry and k == 0:
+                x = inputs[0]
+                self.features.add(f"scan_carry:{carry}")
+            else:
+                x = last if last is not None and rnd.random() < 0.6 else rnd.choice(self.values)
+            op = carry if carry and k == 0 else rnd.choice(
+                _choices(x, self.values, rank, scans, linear))
+            previous, last = last, self._assign(*self._apply(op, x))
             others = [v for v in self.values if v is not last]
             if previous is not None and x is not previous:  # one chain: the result uses all
                 last = self._assign(*self._combine(last, previous))
@@ -155,16 +177,10 @@ class _Program:
         self.features.add("reused")
         return name
 
-    def _apply(self, x: _Value) -> tuple:
+    def _apply(self, op: str, x: _Value) -> tuple:
+        """Op kind `op` applied to `x`: the expression, its kind and dtype."""
         rnd = self.rnd
-        real = x.dtype != "complex128"
         vectors = [v for v in self.values if v.kind == "last" and v.dtype == x.dtype]
-        choices = ["Quad", "Mul", "Tanh", "SinRes", "Scale"]
-        if real:
-            choices += ["CumSum"] if x.kind in self.scans else []
-            if x.kind == "full" and self.rank == 2 and vectors:
-                choices += ["MatVec"] * 4
-        op = rnd.choice(choices)
         if op in CONFIGS and rnd.random() < 0.15:
             # two configurations of one op in one expression, both temporary
             first, second = rnd.sample(CONFIGS[op], 2)
@@ -251,6 +267,7 @@ class _Draft:
     set_mesh: bool = False
     shape: tuple = ()
     aligned: list = dataclasses.field(default_factory=list)  # the spec most inputs share
+    scans: tuple = ()  # the kinds of values CumSum may take (see _draw_inputs)
     inputs: list = dataclasses.field(default_factory=list)
     program: _Program | None = None
     layers: list = dataclasses.field(default_factory=list)  # transforms, outermost first
@@ -298,6 +315,8 @@ def draw(seed: int) -> Draw:
     _draw_program(d)
     _draw_placements(d)
     _draw_leading_dims(d)
+    if "transform:scan" in d.features and (any(d.base[0]) or any(e for _, e, _ in d.lead[0])):
+        d.features.add("split_carry")
     if "shard_map" in d.layers:
         d.manual = tuple(d.axes)
         if len(d.manual) == 2 and rnd.random() < 0.2:
@@ -313,7 +332,7 @@ def draw(seed: int) -> Draw:
     summary = (f"{where}{', set_mesh' if d.set_mesh else ''}: {chain}; {'; '.join(shown)}; "
                f"program({args}): {'; '.join(program.lines)}; return {program.result}"
                + (f" [{reused}]" if reused else ""))
-    specs = d.explicit and not set(program.used) & set(UNDECLARED)
+    specs = d.explicit
     rtol = 1e-4 if "dtype:float32" in d.features else 1e-10
     untyped = tuple(d.full_shape(i) for i in range(len(d.inputs))
                     if d.modes[i] == "unsharded")
@@ -322,27 +341,26 @@ def draw(seed: int) -> Draw:
 
 
 def _draw_program(d: _Draft) -> None:
-    """The base shape, the inputs, the program and the transforms."""
+    """The inputs, the program and the transforms."""
     rnd = d.rnd
-    d.shape = rnd.choice(SHAPES)
-    d.aligned = _spec(rnd, d.shape, d.axes)
-    last_dims = {"full": d.aligned[-1], "last": d.aligned[-1], "first": d.aligned[0]}
-    # the kinds of values whose last dim CumSum may need whole (under Explicit axes
-    # JAX's cumsum, the twin, refuses a split one)
-    scans = tuple(k for k, e in last_dims.items() if e is None or not d.explicit)
-    dtype = "complex128" if rnd.random() < 0.15 else rnd.choice(("float32", "float64"))
-    for i in range(rnd.choice((1, 2, 2, 3, 3))):
-        kind = "full" if i == 0 or len(d.shape) == 1 else rnd.choices(
-            ("full", "last", "first"), (4, 4, 2))[0]
-        own = dtype
-        if i and dtype != "complex128" and rnd.random() < 0.15:
-            own = "float64" if dtype == "float32" else "float32"
-        d.inputs.append(_Value(ARGS[i], kind, own))
-    d.features |= {f"dtype:{v.dtype}" for v in d.inputs} | {f"kind:{v.kind}" for v in d.inputs}
-
-    d.program = _Program(rnd, d.inputs, len(d.shape), scans)
-    d.features |= d.program.features | {f"op:{op}" for op in d.program.used}
+    _draw_inputs(d)
+    d.program = _Program(rnd, d.inputs, len(d.shape), d.scans)
     d.layers = layers = _layers(rnd, linear_only=set(d.program.used) <= set(LINEAR))
+    if "scan" in layers:
+        # The program again, its first op on the carry, every op kind alike (inputs it
+        # may take drawn anew where needed): each kind meets a carry whose type the
+        # step must keep. Differentiated twice, the program keeps to linear ops.
+        twice = sum(t in DERIVATIVES for t in layers) > 1
+        carry = rnd.choice(LINEAR if twice else OPS)
+        for _ in range(CARRY_TRIES):
+            if carry in _choices(d.inputs[0], d.inputs, len(d.shape), d.scans, twice):
+                break
+            _draw_inputs(d)
+        else:
+            carry = rnd.choice(_choices(d.inputs[0], d.inputs, len(d.shape), d.scans, twice))
+        d.program = _Program(rnd, d.inputs, len(d.shape), d.scans, carry=carry, linear=twice)
+    d.features |= {f"dtype:{v.dtype}" for v in d.inputs} | {f"kind:{v.kind}" for v in d.inputs}
+    d.features |= d.program.features | {f"op:{op}" for op in d.program.used}
     d.features |= {f"transform:{t}" for t in layers} | {f"depth:{len(layers)}"}
     if not layers:
         d.features.add("transform:eager")
@@ -350,6 +368,26 @@ def _draw_program(d: _Draft) -> None:
             and rnd.random() < 0.7:
         # mostly jitted: an eager shard_map compiles every primitive (seconds per draw)
         layers.insert(layers.index("shard_map"), "jit")
+
+
+def _draw_inputs(d: _Draft) -> None:
+    """The base shape, the spec most inputs share, and the inputs."""
+    rnd = d.rnd
+    d.shape = rnd.choice(SHAPES)
+    d.aligned = _spec(rnd, d.shape, d.axes)
+    last_dims = {"full": d.aligned[-1], "last": d.aligned[-1], "first": d.aligned[0]}
+    # the kinds of values whose last dim CumSum may need whole (under Explicit axes
+    # JAX's cumsum, the twin, refuses a split one)
+    d.scans = tuple(k for k, e in last_dims.items() if e is None or not d.explicit)
+    dtype = "complex128" if rnd.random() < 0.15 else rnd.choice(("float32", "float64"))
+    d.inputs = []
+    for i in range(rnd.choice((1, 2, 2, 3, 3))):
+        kind = "full" if i == 0 or len(d.shape) == 1 else rnd.choices(
+            ("full", "last", "first"), (4, 4, 2))[0]
+        own = dtype
+        if i and dtype != "complex128" and rnd.random() < 0.15:
+            own = "float64" if dtype == "float32" else "float32"
+        d.inputs.append(_Value(ARGS[i], kind, own))
 
 
 def _draw_placements(d: _Draft) -> None:

@@ -17,7 +17,8 @@ The ops, one per way of declaring one (all with NumPy rules):
 - ``Quad(c)``: x + c x², declared elementwise (``"... n -> ... n"``), its forward
   writing into ``out=``, vectorized over a ``vmap`` batch;
 - ``Mul()``: x1 · x2², two inputs declared elementwise (the README's example);
-- ``Tanh(c)``: tanh(c x), no sharding declaration (it runs once, on gathered inputs);
+- ``Tanh(c)``: tanh(c x), no sharding declaration (it runs once, on gathered inputs;
+  under Explicit axes its result is typed like its input);
 - ``SinRes()``: sin, keeping cos(x) as a residual (``@jd.residuals``, ``residuals=``);
 - ``Scale(c)``: c · x, ``linear=True`` with a ``@transpose``;
 - ``MatVec()``: ``sum(a * x, -1)``, ``multilinear=True``, ``reduce=("k",)``;
@@ -229,9 +230,6 @@ OPS = types.SimpleNamespace(Quad=Quad, Mul=Mul, Tanh=Tanh, SinRes=SinRes, Scale=
                             MatVec=MatVec, CumSum=CumSum)
 TWINS = types.SimpleNamespace(Quad=QuadTwin, Mul=MulTwin, Tanh=TanhTwin, SinRes=SinResTwin,
                               Scale=ScaleTwin, MatVec=MatVecTwin, CumSum=CumSumTwin)
-#: Ops with no sharding declaration: their results are typed whole under Explicit axes,
-#: so a program using one is compared by value (and devices), not by sharding type.
-UNDECLARED = ("Tanh",)
 
 
 # ---------------------------------------------------------------------------------------

@@ -155,6 +155,29 @@ class Plain(jd.Primitive):
         return -x
 
 
+class Tanh(jd.Primitive):
+    """tanh without a sharding declaration: it runs once, on gathered inputs."""
+
+    @jd.abstract
+    def shapes(self, x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x):
+        CALLS.append(("tanh", x.shape[-2:]))
+        return np.tanh(x)
+
+    @jd.jvp
+    def push(self, x, dx):
+        CALLS.append(("tanh_jvp", x.shape[-2:]))
+        return (1 - np.tanh(x) ** 2) * dx
+
+    @jd.vjp
+    def pull(self, x, ct):
+        CALLS.append(("tanh_vjp", x.shape[-2:]))
+        return (1 - np.tanh(x) ** 2) * ct
+
+
 def _rng_array(shape, dtype, seed=0):
     rng = np.random.default_rng(seed)
     value = rng.standard_normal(shape)
@@ -372,6 +395,68 @@ def explicit() -> dict:
     return checks
 
 
+def _same_types(got, want):
+    """Each result's sharding type is the jax.numpy twin's."""
+    def spec(leaf):
+        entries = tuple(jax.typeof(leaf).sharding.spec)
+        return entries + (None,) * (leaf.ndim - len(entries))
+
+    pairs = list(zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+    same = all(spec(g) == spec(w) for g, w in pairs)
+    return same or "; ".join(f"{jax.typeof(g)}, the twin's {jax.typeof(w)}" for g, w in pairs)
+
+
+def undeclared_scan() -> dict:
+    """An op without a declaration on a lax.scan carry split over Explicit mesh axes: its
+    result, the next carry, is typed like the carry, as jnp.tanh's (or JAX refuses the
+    scan); eager and jitted, its jvp, gradient and vmap. Its rule still sees the whole
+    carry (under vmap, each batch element's)."""
+    checks = {}
+    mesh = jax.make_mesh((2, 2), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+    set_mesh = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh  # (JAX 0.6)
+    x = _rng_array((8, 16), "float64")
+
+    def scanned(tanh):
+        def step(carry, _):
+            out = tanh(carry)
+            return out, 2 * out
+
+        return lambda v: jax.lax.scan(step, v, length=3)
+
+    def loss(f):
+        return jax.grad(lambda v: jnp.sum(f(v)[1] ** 2))
+
+    runs = {"eager call": lambda f: f,
+            "eager scan": scanned,
+            "jit scan": lambda f: jax.jit(scanned(f)),
+            "jvp": lambda f: lambda v: jax.jvp(scanned(f), (v,), (jnp.cos(v),)),
+            "grad": lambda f: loss(scanned(f)),
+            "jit grad": lambda f: jax.jit(loss(scanned(f))),
+            "jit vmap": lambda f: jax.jit(jax.vmap(scanned(f)))}
+    with set_mesh(mesh):
+        for spec in (P("x"), P("x", "y"), P(None, ("x", "y"))):
+            for how, make in runs.items():
+                name = f"{spec} {how}"
+                value, lead = x, ()
+                if "vmap" in how:  # the batch split over the mesh axis the rows leave free
+                    free = [a for a in ("x", "y") if a not in str(spec)]
+                    value, lead = np.stack([x, 2 * x]), (free[0] if free else None,)
+                xs = jax.device_put(value, NamedSharding(mesh, P(*lead, *spec)))
+                try:
+                    want = make(jnp.tanh)(xs)
+                    CALLS.clear()
+                    got = make(Tanh())(xs)
+                    jax.block_until_ready(got)
+                except Exception as error:  # noqa: BLE001 - reported to the test
+                    checks[name] = f"raised {type(error).__name__}: {str(error)[:400]}"
+                    continue
+                pairs = zip(jax.tree.leaves(got), jax.tree.leaves(want))
+                checks[f"{name}: value"] = all(_close(g, w) for g, w in pairs)
+                checks[f"{name}: type"] = _same_types(got, want)
+                checks[f"{name}: the rule saw whole inputs"] = _all_shapes(list(CALLS), (8, 16))
+    return checks
+
+
 def processes(port: str, process_id: str) -> dict:
     """One of two processes (2 devices each) sharing a 4-device mesh via jax.distributed."""
     process_id = int(process_id)
@@ -412,7 +497,8 @@ def processes(port: str, process_id: str) -> dict:
     return checks
 
 
-SCENARIOS = {"automatic": automatic, "explicit": explicit, "processes": processes}
+SCENARIOS = {"automatic": automatic, "explicit": explicit, "undeclared_scan": undeclared_scan,
+             "processes": processes}
 
 
 def main(argv) -> None:

@@ -232,7 +232,8 @@ class Kind:
     out_spec: dict  # mesh name -> the result's PartitionSpec(s), as the kind declares
     diff: tuple = (0,)  # positions of the differentiable inputs
     # Declared, and its inputs split only along factors it may split. An undeclared op
-    # runs once: its results are whole (but per block, inside a shard_map).
+    # runs once on whole values (per block, inside a shard_map); under Explicit axes its
+    # results are typed like the input of their shape.
     splits: bool = True
     linear: str = ""  # "linear" or "multilinear": linear_transpose applies
     holomorphic: bool = False  # complex inputs: hessian of a holomorphic loss
@@ -363,14 +364,10 @@ def _batch_axis(mesh_name: str) -> str:
     return "d" if mesh_name == "1d" else "x"
 
 
-def build(transform: str, kind: Kind, f, mesh_name: str, rng, blocks: bool = False,
-          whole_batch: bool = False) -> Built:
-    """The cell's function of `f`; `blocks`: f runs on blocks, under shard_map;
-    `whole_batch`: an undeclared op's vmapped dims come back whole (see _whole_batch)."""
+def build(transform: str, kind: Kind, f, mesh_name: str, rng, blocks: bool = False) -> Built:
+    """The cell's function of `f`; `blocks`: f runs on blocks, under shard_map."""
     args = kind.args(rng)
     specs, out_spec = kind.specs[mesh_name], kind.out_spec[mesh_name]
-    if not (kind.splits or blocks):  # an undeclared op's results are whole
-        out_spec = jax.tree.map(lambda s: P(), out_spec, is_leaf=_is_spec)
     n, diff = len(args), kind.diff
     diff_specs = tuple(specs[i] for i in diff)
     out_struct = jax.eval_shape(kind.ref, *args)
@@ -429,11 +426,8 @@ def build(transform: str, kind: Kind, f, mesh_name: str, rng, blocks: bool = Fal
         axis = _batch_axis(mesh_name)
         batched = tuple(jax.tree.map(lambda a: np.stack([a + k for k in range(4)]), x)
                         for x in args)
-        # An undeclared op keeps vmapped rows per device too (batch elements are
-        # independent), except where it runs directly on gathered inputs.
-        whole = whole_batch and not (kind.splits or blocks)
         return Built(jax.vmap(f), batched, _lead(_drop_axis(specs, axis), axis),
-                     _lead(_drop_axis(out_spec, axis), None if whole else axis), inside=True)
+                     _lead(_drop_axis(out_spec, axis), axis), inside=True)
     if transform == "scan":
         stacked = tuple(jax.tree.map(lambda a: np.stack([a, a + 1]), x) for x in args)
 
@@ -634,8 +628,7 @@ def run_cell(mode: Mode, kind_name: str, transform: str, mesh) -> list:
         built = _under_shard_map(mode, kind, mesh, transform, kind.op)
         ref_fn = _under_shard_map(mode, kind, mesh, transform, kind.ref).fn
     else:
-        built = build(transform, kind, kind.op, mode.mesh, np.random.default_rng(0),
-                      whole_batch=explicit and not _compat.EXPLICIT_REDUCTIONS)
+        built = build(transform, kind, kind.op, mode.mesh, np.random.default_rng(0))
         ref_fn = build(transform, kind, kind.ref, mode.mesh, np.random.default_rng(0)).fn
     fn = jax.jit(built.fn) if mode.jit else built.fn
     context = jax.set_mesh(mesh) if explicit else contextlib.nullcontext()
@@ -657,8 +650,8 @@ def run_cell(mode: Mode, kind_name: str, transform: str, mesh) -> list:
     unsharded = build(transform, kind, kind.ref, mode.mesh, np.random.default_rng(0))
     expected = jax.device_get(jax.jit(unsharded.fn)(*unsharded.inputs))
     # Per-shard work: a declared op, or any op on the blocks of a shard_map over every
-    # mesh axis. An undeclared op elsewhere runs once on whole values, its results typed
-    # whole, so its reference computes the same values but is no twin of its types.
+    # mesh axis. An undeclared op elsewhere runs once on whole values (its results typed
+    # like the input of their shape, a slice of the whole each): it gathers its inputs.
     per_shard = kind.splits or mode.manual == tuple(mesh.axis_names)
     with context:
         placed = _place(mesh, built.inputs, built.in_specs)

@@ -256,6 +256,19 @@ def _digest(seeds) -> str:
                           ).hexdigest()
 
 
+def test_every_op_kind_takes_a_split_scan_carry_under_explicit_axes():
+    """Each op kind is the first op on a ``lax.scan`` carry split over Explicit mesh
+    axes: the step's new carry must keep that type (JAX refuses the scan otherwise)."""
+    explicit = [s for s in range(600) if "split_carry" in draw(s).features
+                and {"mesh:explicit-1d", "mesh:explicit-2d"} & draw(s).features]
+    wanted = {f"scan_carry:{op}" for op in OPS}
+    assert wanted <= _features(explicit), sorted(wanted - _features(explicit))
+    for seed in explicit:  # the program's first line: the op (made there or reused) on a
+        op = next(f for f in draw(seed).features if f.startswith("scan_carry:"))[11:]
+        first = rf"\bt1 = ({op}\([^)]*\)|{op.lower()}\d?)\(a\b"
+        assert re.search(first, draw(seed).source), (seed, draw(seed).summary)
+
+
 def test_generator_is_reproducible_and_covers_its_space():
     seeds = range(0, 2000, 97)
     for seed in seeds:

@@ -133,6 +133,17 @@ def test_multi_device(scenario):
     assert len(checks) > 10
 
 
+def test_an_undeclared_op_types_its_result_like_its_operand_in_a_scan():
+    """Over Explicit mesh axes an op without a declaration types a result like the operand
+    of its shape (a split scan carry stays split, or JAX refuses the scan), eager and
+    jitted, under jvp, grad and vmap, as its jax.numpy twin does; its rule still sees
+    whole inputs."""
+    checks = _scenario("undeclared_scan")
+    failed = {name: value for name, value in checks.items() if value is not True}
+    assert not failed, failed
+    assert len(checks) == 3 * 7 * 3, sorted(checks)  # specs x runs x (value, type, rule)
+
+
 @needs_split
 def test_two_processes():
     """A 4-device mesh over 2 processes (jax.distributed, gloo): each runs its own shards."""
@@ -451,9 +462,7 @@ def test_explicit_axes_keep_the_sharding_in_every_result_type(how):
             out, want = jax.vmap(_Cube())(x), np.stack([xn ** 3, 8 * xn ** 3])
         elif how == "linear_transpose":
             out, want = jax.linear_transpose(_Lin(), x)(x)[0], 3 * xn
-        elif how == "jit_grad_undeclared":  # run once on gathered inputs, typed as its primal
-            if not _compat.EXPLICIT_REDUCTIONS:
-                pytest.skip("typed whole before JAX 0.9 (XLA cannot partition the reshard)")
+        elif how == "jit_grad_undeclared":  # run on gathered inputs, typed as its primal
             out = jax.jit(jax.grad(lambda v: _PlainCube()(v).sum()))(x)
             want = 3 * xn ** 2
         else:

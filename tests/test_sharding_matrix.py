@@ -72,9 +72,6 @@ def skip_reason(mode: str, kind: str, transform: str) -> str | None:
 ONCE_PER_DEVICE = (
     "before JAX 0.9, over Explicit axes under jit, an undeclared op runs its rule on every "
     "device on gathered inputs (correct values; XLA cannot partition the run-once program)")
-WHOLE_COTANGENT = (
-    "before JAX 0.9, under Explicit axes the cotangent of an undeclared op's input is typed "
-    "whole, not as its primal (XLA leaves the reshard to it unpartitioned there)")
 PARTIAL_AUTO_AXES = (
     "inside a shard_map manual over some mesh axes, a declared op is lowered as on one "
     "device: inputs split along the remaining Auto axes are all-gathered and its results "
@@ -88,11 +85,8 @@ def _explicit_reductions() -> bool:
 
 
 def known_failure(mode: str, kind: str, transform: str) -> str | None:
-    if mode.startswith("explicit-") and kind == "undeclared" and \
-            transform in ("vjp", "grad", "checkpoint") and not _explicit_reductions():
-        return WHOLE_COTANGENT
-    if mode.startswith("explicit-") and kind == "undeclared" and \
-            transform in ("forward", "vmap") and not _explicit_reductions():
+    if mode.startswith("explicit-") and kind == "undeclared" and transform == "forward" \
+            and not _explicit_reductions():
         return ONCE_PER_DEVICE
     if mode == "partial_free-2d":
         return PARTIAL_AUTO_AXES
