@@ -36,7 +36,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import weakref
 

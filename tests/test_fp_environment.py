@@ -83,7 +83,8 @@ C_SOURCE = textwrap.dedent(r"""
               int64_t nout, char* message, int64_t message_size) {
       int64_t n = 1;
       for (int64_t i = 0; i < in[0].rank; ++i) n *= in[0].dims[i];
-      for (int64_t i = 0; i < n; ++i) ((double*)out[0].data)[i] = ((const double*)in[0].data)[i] * 0.5;
+      const double* x = (const double*)in[0].data;
+      for (int64_t i = 0; i < n; ++i) ((double*)out[0].data)[i] = x[i] * 0.5;
       return 0;
     }
 """)
