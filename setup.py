@@ -16,7 +16,7 @@ from setuptools import setup
 ParallelCompile("NPY_NUM_BUILD_JOBS").install()
 
 dispatch = Pybind11Extension(
-    "jaxdecl._dispatch",
+    "jaxdecl._host._dispatch",
     [
         "csrc/handler.cc",  # the execute handlers
         "csrc/call_site.cc",  # the instantiate handler, per-executable state

@@ -745,7 +745,7 @@ def compile_markdown(report: dict) -> str:
 # Functions whose cumulative time the breakdown reports: (label, file suffix, name).
 # The first four are the callback's steps, one after another; the last two lie inside them.
 _STEPS = [
-    ("jaxdecl partition callback (plan, local equation, kernel)", "jaxdecl/_lowering.py",
+    ("jaxdecl partition callback (plan, local equation, kernel)", "jaxdecl/_transforms/lowering.py",
      "partition"),
     ("JAX traces the per-shard function (make_jaxpr)", "jax/_src/api.py", "make_jaxpr_f"),
     ("JAX lowers it to a module (build_mlir_module_helper)", "interpreters/mlir.py",
@@ -756,7 +756,7 @@ _STEPS = [
 _INSIDE = [
     ("of the lowering: a new MLIR context (make_ir_context)", "interpreters/mlir.py",
      "make_ir_context"),
-    ("of jaxdecl's callback: building kernels (eqn.kernel)", "jaxdecl/_equation.py",
+    ("of jaxdecl's callback: building kernels (eqn.kernel)", "jaxdecl/_op/equation.py",
      "kernel"),
 ]
 

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxdecl as jd
-from jaxdecl import _dispatch
+from jaxdecl._host import _dispatch
 
 
 def rss_mb() -> float:

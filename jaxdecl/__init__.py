@@ -21,33 +21,20 @@ Example:
 
 import os as _os
 
-from . import _autodiff, _batching, _primitive  # noqa: F401 - register their rules on the primitive
-from . import _compat as _compat
-from . import _runtime as _runtime
-from ._cfunction import CFunction, cfunction, include_dir
+from . import _compat
 from ._check import check
 from ._declare import Primitive, PrimitiveMeta, primitive
 from ._dtypes import SUPPORTED as _SUPPORTED
-from ._errors import (
-    BufferEscapeError,
-    DeclarationError,
-    ExportError,
-    MissingRuleError,
-    RuleError,
-)
-from ._recipes import disabled_checks
-from ._rules import (
-    abstract,
-    adjoint,
-    batch,
-    forward,
-    jvp,
-    residuals,
-    sharding,
-    transpose,
-    vjp,
-)
-from ._sharding import ShardingRule
+from ._errors import BufferEscapeError, DeclarationError, ExportError, MissingRuleError, RuleError
+from ._host import registry as _runtime
+from ._spec.cfunction import CFunction, cfunction, include_dir
+from ._spec.rules import abstract, adjoint, batch, forward, jvp, residuals, sharding, transpose, vjp
+from ._spec.sharding import ShardingRule
+# Importing them registers their rules on the primitive.
+from ._transforms import autodiff as _autodiff  # noqa: F401
+from ._transforms import batching as _batching  # noqa: F401
+from ._transforms import primitive as _primitive  # noqa: F401
+from ._transforms.recipes import disabled_checks
 from ._version import __version__ as __version__
 
 # The FFI targets exist from import on: a process that loads a saved program

@@ -3,7 +3,7 @@
 An op's arguments become flat JAX operands and a signature (``primals``:
 pytree arguments contribute their leaves); under any trace the forward
 equation is bound, outside one it runs through the shared eager executable of
-its signature, or by the strategy :mod:`jaxdecl._eager` chooses for arrays
+its signature, or by the strategy :mod:`jaxdecl._transforms.eager` chooses for arrays
 that span several devices.
 
 Example:
@@ -29,11 +29,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat, _dtypes, _eager, _layout, _structure
-from ._equation import Equation, bind
-from ._identity import check_static
-from ._layout import FORWARD
-from ._op import BoundOp, OpHandle, handle_of
+from . import _compat, _dtypes
+from ._host import structure as _structure
+from ._op.equation import Equation, bind
+from ._op.handle import BoundOp, OpHandle, handle_of
+from ._op.identity import check_static
+from ._spec import layout as _layout
+from ._spec.layout import FORWARD
+from ._transforms import eager as _eager
 
 
 def _as_operand(value, spec, name):
@@ -63,7 +66,7 @@ def flatten_inputs(spec, args) -> tuple:
 
     An array (or scalar) argument is one operand with a ``(shape, dtype)``
     entry; a pytree argument contributes its leaves, with a
-    :class:`~jaxdecl._layout.TreeAval` entry that remembers its structure.
+    :class:`~jaxdecl._spec.layout.TreeAval` entry that remembers its structure.
     """
     operands, primals = [], []
     for value, name in zip(args, spec.params):

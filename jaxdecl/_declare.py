@@ -1,7 +1,7 @@
 """Declaring a primitive: the op's spec, the metaclass and ``@jd.primitive``.
 
 A class becomes a jaxdecl primitive by marking methods with the decorators of
-:mod:`jaxdecl._rules`. The marks are collected into an :class:`OpSpec` when
+:mod:`jaxdecl._spec.rules`. The marks are collected into an :class:`OpSpec` when
 the class is created, and a misdeclared class is rejected there, naming the
 class and the method, long before anything is traced.
 """
@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from . import _residuals, _signatures
 from ._call import apply_op
-from ._cfunction import CFunction
 from ._errors import DeclarationError
-from ._op import spec_of  # noqa: F401 - spec_of re-exported
-from ._rules import Rule, collect_rules, rule_of
-from ._sharding import ShardingRule, from_options
+from ._host import residuals as _residuals
+from ._op.handle import spec_of  # noqa: F401 - spec_of re-exported
+from ._spec import signatures as _signatures
+from ._spec.cfunction import CFunction
+from ._spec.rules import Rule, collect_rules, rule_of
+from ._spec.sharding import ShardingRule, from_options
 
 BATCH_MODES = ("loop", "vectorized")
 

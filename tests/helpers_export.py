@@ -5,6 +5,8 @@
     python helpers_export.py load DIR DEVICES   # imports ops_saved only; runs them; checks
     python helpers_export.py cache DIR DEVICES  # the persistent compilation cache
     python helpers_export.py bare DIR DEVICES   # loads without importing ops_saved: the error
+    python helpers_export.py load-saved DIR 1   # load, of what another jaxdecl saved: where
+                                                # this JAX can (see load_saved)
 
 Prints ``{"checks": {...}}`` as its last line (see conftest.run_helper).
 """
@@ -25,7 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxdecl as jd  # noqa: E402
-from jaxdecl import _dispatch  # noqa: E402
+from jaxdecl._host import _dispatch  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 MODE, DIR = sys.argv[1], sys.argv[2]
@@ -103,6 +105,31 @@ def load():
     return checks
 
 
+def load_saved():
+    """`load` of programs saved with jax/jaxlib 0.10.2 (tests/data/saved_before_rooms):
+    their jax.export artifacts where this JAX reads version 11 artifacts (0.10 and later),
+    their serialized executables only on that very jaxlib."""
+    import jaxlib
+
+    import ops_saved  # noqa: F401 - the user's module: the only import a saved program needs
+    from jax.experimental import serialize_executable
+
+    checks = {}
+    args, _ = inputs()
+    for name in ("forward", "grad", "vmap"):
+        want = reference(name, *args)
+        if tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 10):
+            with open(os.path.join(DIR, f"{name}.exported"), "rb") as file:
+                exported = jax.export.deserialize(bytearray(file.read()))
+            checks[f"exported_{name}"] = close(exported.call(*args), want)
+        if jaxlib.__version__ == "0.10.2" and sys.version_info[:2] == (3, 11):
+            with open(os.path.join(DIR, f"{name}.executable"), "rb") as file:
+                payload, in_tree, out_tree = pickle.load(file)
+            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            checks[f"executable_{name}"] = close(compiled(*args), want)
+    return checks
+
+
 def bare():
     """No `import ops_saved`: the program names the module to import."""
     args, _ = inputs()
@@ -135,7 +162,8 @@ if __name__ == "__main__":
     if DEVICES > 1:
         kind = jax.sharding.AxisType.Explicit if EXPLICIT else jax.sharding.AxisType.Auto
         MESH = jax.make_mesh((DEVICES,), ("d",), axis_types=(kind,))
-    run = {"save": save, "load": load, "bare": bare, "cache": cache}[MODE]
+    run = {"save": save, "load": load, "load-saved": load_saved, "bare": bare,
+           "cache": cache}[MODE]
     if EXPLICIT:  # Explicit axes: the types carry the shardings, under the mesh
         with jax.set_mesh(MESH):
             result = run()

@@ -325,7 +325,8 @@ def test_adjoint_c_kernel_gives_the_transpose_without_python(rows_library):
 
 def test_element_type_codes_agree_with_the_dispatcher():
     # A C kernel called from Python (ctypes) and from XLA sees the same dtype codes.
-    from jaxdecl import _dispatch, _dtypes
+    from jaxdecl import _dtypes
+    from jaxdecl._host import _dispatch
 
     assert _dtypes.ELEMENT_TYPES == _dispatch.element_types()
     assert set(_dtypes.ELEMENT_TYPES) == set(jd.SUPPORTED_DTYPES)

@@ -9,7 +9,7 @@ from conftest import tol
 
 import jaxdecl as jd
 from jaxdecl._declare import spec_of
-from jaxdecl._op import handle_of
+from jaxdecl._op.handle import handle_of
 
 
 def _same(x):

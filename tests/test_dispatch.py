@@ -277,7 +277,7 @@ def test_eager_calls_do_not_retrace():
             runs.append(1)
             return 2 * x
 
-    from jaxdecl import _eager
+    from jaxdecl._transforms import eager as _eager
 
     op = Counted()
     executable = _eager.executable((((3,), np.dtype("float64")),))

@@ -7,6 +7,7 @@ transpose and residual rules), vmap, on 1 device and sharded over 4
 """
 
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -48,6 +49,35 @@ def test_saved_programs_run_in_a_fresh_process(tmp_path, devices):
         assert checks[f"exported_{name}"] is True, name
         assert checks[f"executable_{name}"] is True, name
         assert checks[f"exported_{name}_devices"] == [int(str(devices)[0])], name
+
+
+def test_programs_saved_before_the_rooms_still_load():
+    """Programs saved by the flat layout (jaxdecl._runtime a module; jax 0.10.2) load and
+    run: their artifacts where this JAX reads them, their executables on that jaxlib."""
+    import jaxlib
+
+    saved = pathlib.Path(__file__).parent / "data" / "saved_before_rooms"
+    checks = _helper("load-saved", saved, 1)
+    if _compat.JAX_VERSION >= (0, 10):
+        assert {checks[f"exported_{n}"] for n in ("forward", "grad", "vmap")} == {True}
+    if jaxlib.__version__ == "0.10.2" and sys.version_info[:2] == (3, 11):
+        assert {checks[f"executable_{n}"] for n in ("forward", "grad", "vmap")} == {True}
+    if not checks:
+        pytest.skip("this JAX reads neither what jax 0.10.2 saved nor its executables")
+
+
+def test_pickled_keep_alives_load_by_every_path_a_program_names():
+    import pickle
+
+    from jaxdecl._host.registry import KeepAlive
+
+    # Protocol-0 pickles of what executables hold: the flat layout's path, the rooms'
+    # path, and jaxdecl._compat's record of a custom_partitioning call.
+    assert isinstance(pickle.loads(b"cjaxdecl._runtime\n_unpickled_keepalive\n(tR."), KeepAlive)
+    current = pickle.dumps(KeepAlive(None), protocol=0)
+    assert b"jaxdecl._host.registry" in current
+    assert isinstance(pickle.loads(current), KeepAlive)
+    assert pickle.loads(b"cjaxdecl._compat\n_no_callback\n(tR.") is None
 
 
 def test_a_process_without_the_module_is_told_what_to_import(tmp_path):
@@ -125,7 +155,7 @@ def test_an_op_in_a_script_is_refused_by_name(tmp_path):
 
 
 def test_state_hooks_restore_derived_state():
-    from jaxdecl import _recipes
+    from jaxdecl._transforms import recipes as _recipes
 
     op = ops_saved.Tree((1.0, 2.0, 3.0))
     jaxpr = jax.make_jaxpr(op)(jnp.zeros(3))
@@ -138,7 +168,7 @@ def test_state_hooks_restore_derived_state():
 
 
 def test_a_recipe_of_another_format_names_both_versions():
-    from jaxdecl import _recipes
+    from jaxdecl._transforms import recipes as _recipes
 
     with pytest.raises(jd.ExportError, match=r"jaxdecl 9\.9 \(recipe format 99\).*"
                                              + jd.__version__):

@@ -19,7 +19,7 @@ import jax
 import jaxlib
 import pytest
 
-from jaxdecl import _dispatch
+from jaxdecl._host import _dispatch
 
 # A handler that answers XLA's metadata query with the API version in g_version;
 # XLA asks it when the target is registered and refuses versions it does not accept.

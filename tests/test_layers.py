@@ -1,11 +1,16 @@
-"""The package's layers: each module imports only modules below it (no import circle)."""
+"""The package's rooms, as ARCHITECTURE.md maps them: each imports only itself, the rooms
+below it and the ground; no import circle; every module is on the map."""
 
 import ast
 import pathlib
+import re
+
+import pytest
 
 import jaxdecl
 
 PACKAGE = pathlib.Path(jaxdecl.__file__).parent
+MAP = PACKAGE.parent / "ARCHITECTURE.md"
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -13,11 +18,12 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: pathlib.Path) -> set:
-    """jaxdecl modules that `path` imports, at any depth of its code (lazy imports too)."""
+def _imports(path: pathlib.Path) -> list:
+    """``(module, how)`` for each jaxdecl module `path` imports, at any depth of its code:
+    `how` is ``"name"`` for ``from X import name`` and ``"module"`` for importing X itself."""
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    found = set()
+    found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             if node.level:
@@ -26,20 +32,109 @@ def _imports(path: pathlib.Path) -> set:
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module or ""
-            submodules = [f"{module}.{alias.name}" for alias in node.names]
-            # `from . import _x` names submodules only; `from ._x import y`, the module.
-            candidates = submodules if node.module is None else [module] + submodules
+            for alias in node.names:
+                found.append((f"{module}.{alias.name}", "module"))
+            if node.module:
+                found.append((module, "name"))
         elif isinstance(node, ast.Import):
-            candidates = [alias.name for alias in node.names]
-        else:
-            continue
-        found.update(c for c in candidates if c.startswith("jaxdecl") and c != name)
-    return found
+            found.extend((alias.name, "module") for alias in node.names)
+    return [(m, how) for m, how in found if m.startswith("jaxdecl") and m != name]
+
+
+def _modules() -> dict:
+    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
 def _graph() -> dict:
-    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
-    return {name: {m for m in _imports(path) if m in modules} for name, path in modules.items()}
+    modules = _modules()
+    return {name: {m for m, _ in _imports(path) if m in modules}
+            for name, path in modules.items()}
+
+
+def _rooms() -> list:
+    """``(room, [module names])``, top to bottom, from ARCHITECTURE.md's table."""
+    text = MAP.read_text()
+    table = text[text.index("## The rooms, top to bottom"):].split("\n\n")[1]
+    rooms = []
+    for line in table.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        room = cells[0].strip("`").rstrip("/")
+        files = re.findall(r"`([\w.]+)`", cells[1])
+        prefix = "jaxdecl" if room in ("faces", "ground") else f"jaxdecl.{room}"
+        names = []
+        for file in files:
+            stem = file[:-3] if file.endswith(".py") else file
+            names.append(prefix if stem == "__init__" else f"{prefix}.{stem}")
+        rooms.append((room, names, cells[3]))
+    return rooms
+
+
+def _room_of() -> dict:
+    return {module: rank for rank, (_, names, _) in enumerate(_rooms()) for module in names}
+
+
+def test_every_module_is_on_the_map_and_nothing_else():
+    on_map = set(_room_of())
+    modules = {m for m in _modules() if not m.startswith("jaxdecl.contrib")}
+    room_packages = {f"jaxdecl.{room}" for room, _, _ in _rooms()
+                     if room not in ("faces", "ground")}
+    assert modules - on_map - room_packages == set(), "modules missing from ARCHITECTURE.md"
+    assert on_map - modules - {"jaxdecl._host._dispatch"} == set(), "the map names no module"
+
+
+def test_the_map_says_which_rooms_each_may_import():
+    rooms = _rooms()
+    for rank, (room, _, imports) in enumerate(rooms):
+        below = [r for r, _, _ in rooms[rank + 1:]]
+        if room == "faces":
+            assert imports == "every room"
+        elif room == "ground":
+            assert imports == "nothing of jaxdecl's"
+        else:
+            assert imports == ", ".join(f"`{r}`" if r != "ground" else r for r in below), room
+
+
+def test_each_room_imports_only_itself_and_rooms_below():
+    room_of = _room_of()
+    rooms = _rooms()
+    ground = len(rooms) - 1
+    offenders = []
+    for name, targets in _graph().items():
+        own = room_of.get(name)
+        if own is None:  # contrib, or a room package's __init__ (wiring its modules)
+            continue
+        for target in targets:
+            rank = room_of.get(target)
+            if rank is None:
+                continue  # a room package itself
+            if (own == ground) or (0 < own and rank < own):  # the faces import anything
+                offenders.append(f"{name} ({rooms[own][0]}) imports {target} "
+                                 f"({rooms[rank][0]})")
+    assert not offenders, offenders
+
+
+@pytest.mark.parametrize("room", ["_spec", "_host", "_op", "_sharded", "_transforms"])
+def test_each_room_has_a_readme_that_lists_its_modules(room):
+    readme = PACKAGE / room / "README.md"
+    assert readme.exists(), f"{room} has no README.md"
+    text = readme.read_text()
+    for heading in ("## Invariants", "## Who may import it"):
+        assert heading in text, (room, heading)
+    for path in (PACKAGE / room).glob("*.py"):
+        if path.name != "__init__.py":
+            assert f"`{path.name}`" in text, (room, path.name)
+
+
+def test_only_the_host_room_touches_the_extension_by_name():
+    """The extension is imported by name inside `_host`: through the package, a missing
+    build would read as a circular import."""
+    offenders = {}
+    for name, path in _modules().items():
+        for module, how in _imports(path):
+            if module.endswith("._dispatch") or ("._dispatch." in module):
+                if not name.startswith("jaxdecl._host.") or how != "name":
+                    offenders.setdefault(name, []).append((module, how))
+    assert not offenders, offenders
 
 
 def test_no_import_circle():
@@ -63,49 +158,10 @@ def test_no_import_circle():
             visit(node, [])
 
 
-def test_primitive_depends_on_nothing_above_it():
-    graph = _graph()
-    above = {"jaxdecl._autodiff", "jaxdecl._batching", "jaxdecl._op", "jaxdecl._declare",
-             "jaxdecl._check", "jaxdecl"}
-    assert not graph["jaxdecl._primitive"] & above, graph["jaxdecl._primitive"]
-
-
-def test_sharding_modules_sit_below_the_primitive():
-    """The factor logic, the plan, the strategy and the per-shard builders know nothing of
-    ops, autodiff or batching."""
-    graph = _graph()
-    above = {"jaxdecl._primitive", "jaxdecl._autodiff", "jaxdecl._batching", "jaxdecl._op",
-             "jaxdecl._declare", "jaxdecl._check", "jaxdecl"}
-    assert graph["jaxdecl._sharding"] <= {"jaxdecl._errors"}, graph["jaxdecl._sharding"]
-    for module in ("_plan", "_strategy", "_shardmap", "_lowering", "_eager", "_equation"):
-        assert not graph[f"jaxdecl.{module}"] & above, (module, graph[f"jaxdecl.{module}"])
-
-
 def test_strategy_is_a_pure_decision():
     """The strategy chooser looks at facts only: it imports nothing that runs or lowers."""
-    assert _graph()["jaxdecl._strategy"] <= {"jaxdecl._compat"}
+    assert _graph()["jaxdecl._sharded.strategy"] <= {"jaxdecl._compat"}
 
-
-
-def test_rule_decorators_sit_below_the_declaration():
-    """Marking a method needs no spec, op or primitive: _declare builds the spec on the marks."""
-    graph = _graph()
-    assert graph["jaxdecl._rules"] <= {"jaxdecl._cfunction", "jaxdecl._errors"}, \
-        graph["jaxdecl._rules"]
-    assert "jaxdecl._rules" in graph["jaxdecl._declare"]
-
-
-def test_kernels_and_their_registry_sit_below_the_op():
-    """_kernels builds host kernels from rules and _runtime registers them; the op joins the
-    two. Neither knows ops, declarations or the primitive, and the registry knows no rules."""
-    graph = _graph()
-    above = {"jaxdecl._op", "jaxdecl._declare", "jaxdecl._rules", "jaxdecl._primitive",
-             "jaxdecl._partition", "jaxdecl._eager", "jaxdecl._autodiff", "jaxdecl._batching",
-             "jaxdecl._check", "jaxdecl"}
-    for name in ("jaxdecl._kernels", "jaxdecl._failures"):
-        assert not graph[name] & (above | {"jaxdecl._runtime"}), (name, graph[name])
-    assert graph["jaxdecl._runtime"] <= {"jaxdecl._cfunction", "jaxdecl._compat",
-                                         "jaxdecl._dtypes"}, graph["jaxdecl._runtime"]
 
 def test_only_compat_knows_jax_internals_and_versions():
     """Version knowledge lives in _compat.py: no other module imports jax._src or reads a
@@ -127,3 +183,9 @@ def test_only_compat_knows_jax_internals_and_versions():
             if found:
                 offenders.setdefault(_module_name(path), []).append(found)
     assert not offenders, offenders
+
+
+def test_no_private_module_is_over_400_lines():
+    long = {_module_name(p): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, long

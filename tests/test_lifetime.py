@@ -1,6 +1,6 @@
 """Lifetimes: memory bounded by what is alive, kernels named by stable fingerprints.
 
-Mirrors jaxdecl/_op.py (handles, anchors), _runtime.py (kernel registrations),
+Mirrors jaxdecl/_op/handle.py (handles, anchors), _runtime.py (kernel registrations),
 _eager.py (one executable per signature) and _fingerprint.py.
 """
 
@@ -19,8 +19,10 @@ from conftest import subprocess_env
 from ops import Offset
 
 import jaxdecl as jd
-from jaxdecl import _dispatch, _eager, _fingerprint
-from jaxdecl._op import handle_of
+from jaxdecl._host import _dispatch
+from jaxdecl._op import fingerprint as _fingerprint
+from jaxdecl._op.handle import handle_of
+from jaxdecl._transforms import eager as _eager
 
 HELPER = os.path.join(os.path.dirname(__file__), "helpers_subprocess.py")
 

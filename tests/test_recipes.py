@@ -1,5 +1,5 @@
-"""Saved configurations and recipes (jaxdecl/_recipes.py): values round-trip by value, nothing
-else does, and a recipe of another format is refused by name."""
+"""Saved configurations and recipes (jaxdecl/_transforms/recipes.py): values round-trip by
+value, nothing else does, and a recipe of another format is refused by name."""
 
 import dataclasses
 import enum
@@ -17,7 +17,8 @@ import pytest
 from conftest import subprocess_env
 
 import jaxdecl as jd
-from jaxdecl import _op, _recipes
+from jaxdecl._op import handle as _op
+from jaxdecl._transforms import recipes as _recipes
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # ops_saved, the ops' module
 

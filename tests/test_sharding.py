@@ -241,7 +241,8 @@ def test_where_jax_cannot_split_the_op_gathers_with_one_warning(monkeypatch):
 
 
 def test_explicit_sums_name_the_jax_they_need(monkeypatch):
-    from jaxdecl import _compat, _plan
+    from jaxdecl import _compat
+    from jaxdecl._sharded import plan as _plan
 
     monkeypatch.setattr(_compat, "EXPLICIT_REDUCTIONS", False)
     summing = _plan.Plan({"k": ("d",)}, ((None, "d"),), ((None,),), (("d",),))
@@ -629,7 +630,7 @@ def test_jit_of_vmap_over_a_sharded_batch(declared):
 # ---------------------------------------------------------------------------------------
 
 def _factors(operands, results, replicate=(), sizes=None):
-    from jaxdecl._sharding import RuleFactors
+    from jaxdecl._spec.sharding import RuleFactors
 
     names = {f for t in (*operands, *results) for f in t}
     return RuleFactors(operands=operands, results=results, replicate=frozenset(replicate),
@@ -650,7 +651,7 @@ def _factors(operands, results, replicate=(), sizes=None):
     (_factors(((),), ((),)), False, 0),  # 0-d
 ])
 def test_split_rank_takes_only_elementwise_equations(factors, looped, rank):
-    from jaxdecl import _plan
+    from jaxdecl._sharded import plan as _plan
 
     assert _plan.split_rank(factors, 4, looped) == rank
 

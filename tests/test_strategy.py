@@ -1,4 +1,4 @@
-"""The one decision of how a call runs (jaxdecl/_strategy.py), by itself and end to end.
+"""The one decision of how a call runs (jaxdecl/_sharded/strategy.py), by itself and end to end.
 
 The chooser is a pure function, checked case by case and against the table in
 ``docs/concepts/sharding.md``; the seams between modes that once took
@@ -14,7 +14,7 @@ import sys
 import pytest
 from conftest import needs_split, run_helper, run_two_processes, subprocess_env
 
-from jaxdecl._strategy import CallFacts, Strategy, choose
+from jaxdecl._sharded.strategy import CallFacts, Strategy, choose
 
 HELPER = os.path.join(os.path.dirname(__file__), "helpers_seams.py")
 DOCS = pathlib.Path(__file__).parent.parent / "docs" / "concepts" / "sharding.md"
@@ -93,8 +93,8 @@ def test_undeclared_ops_take_the_declared_paths():
 
 
 def test_implied_plan_of_an_undeclared_op_splits_only_vmapped_dims():
-    from jaxdecl._equation import undeclared_factors
-    from jaxdecl._plan import plan
+    from jaxdecl._op.equation import undeclared_factors
+    from jaxdecl._sharded.plan import plan
 
     factors = undeclared_factors((8,), [(8, 16), (1, 16)], [(8, 16)], [(16,), (16,)])
     p = plan(factors, [("d", "e"), (None, "e")], {"d": 2, "e": 2})

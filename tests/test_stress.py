@@ -1,9 +1,9 @@
 """Stress as a dimension of the call-context matrix: ops used the way programs run.
 
-Mirrors the lifetime guarantees of jaxdecl/_runtime.py and csrc/call_site.cc (a
+Mirrors the lifetime guarantees of jaxdecl/_host/registry.py and csrc/call_site.cc (a
 compiled program owns the kernels it calls until its last run has finished),
-jaxdecl/_lowering.py (split programs never load another's cache entry) and
-the eager per-shard path of jaxdecl/_eager.py.
+jaxdecl/_transforms/lowering.py (split programs never load another's cache entry) and
+the eager per-shard path of jaxdecl/_transforms/eager.py.
 
 Each cell runs ``helpers_stress.py`` in fresh interpreters, several times:
 ops built inside a temporary ``jax.jit`` called once (async dispatch drops

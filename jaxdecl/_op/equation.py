@@ -1,0 +1,197 @@
+"""One equation of the ``jaxdecl_call`` primitive: which rule of which op, at which shapes.
+
+What always travels together, from binding through abstract evaluation,
+differentiation, batching, planning and lowering to the kernel:
+
+- ``op``: the :class:`~jaxdecl._op.handle.BoundOp` (class + configuration + the
+  instance that bound it);
+- ``rule``: ``forward``, ``forward_saving``, ``jvp``, ``vjp``, ``transpose`` or
+  ``transpose_wrt`` (operand orders in :mod:`jaxdecl._spec.layout`);
+- ``wrt``: the input index of a multilinear ``transpose_wrt`` (else -1);
+- ``primals``: per primal input, its (shape, dtype) per batch element, or a
+  :class:`~jaxdecl._spec.layout.TreeAval` for a pytree input;
+- ``batch``: leading batch dims every operand and result carries (operands may
+  have size 1 there, broadcasting; results never do).
+
+It is the primitive's one parameter, so a new field reaches every stage at
+once. Equations are equal (and hash alike) when their fields are, and JAX's
+caches hold them weakly (:func:`jaxdecl._compat.hold_weakly_in_caches`): a
+cache entry never keeps an op alive.
+
+Example:
+    >>> import jax, jax.numpy as jnp, jaxdecl as jd
+    >>> class Neg(jd.Primitive):
+    ...     @jd.abstract
+    ...     def shapes(self, x):
+    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    ...     @jd.forward
+    ...     def apply(self, x):
+    ...         return -x
+    >>> jaxpr = jax.make_jaxpr(Neg())(jnp.ones(2))  # one jaxdecl_call equation
+    >>> eqn = jaxpr.eqns[0].params["equation"]
+    >>> eqn.rule, eqn.primals[0][0], eqn.with_rule("jvp").rule
+    ('forward', (2,), 'jvp')
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from .. import _compat
+from .._spec import sharding as _sharding
+from .._spec.layout import primal_leaves
+
+
+class Equation:
+    """One rule of one op at one signature (see the module docstring)."""
+
+    __slots__ = ("op", "rule", "wrt", "primals", "batch", "_hash", "__weakref__")
+
+    def __init__(self, op, rule: str, primals: tuple, batch: tuple = (), wrt: int = -1):
+        self.op = op
+        self.rule = rule
+        self.wrt = wrt
+        self.primals = primals
+        self.batch = tuple(batch)
+        self._hash = hash((op, rule, wrt, primals, self.batch))
+
+    def __eq__(self, other):
+        return type(other) is Equation and self._hash == other._hash and \
+            self.op == other.op and self.rule == other.rule and self.wrt == other.wrt and \
+            self.primals == other.primals and self.batch == other.batch
+
+    def __hash__(self):
+        return self._hash
+
+    def __repr__(self) -> str:
+        wrt = f"[{self.wrt}]" if self.wrt >= 0 else ""
+        batch = f" batch={self.batch}" if self.batch else ""
+        return f"{self.op}.{self.rule}{wrt}{batch}"
+
+    @property
+    def key(self) -> tuple:
+        """The equation without its op: a key for caches the op's own handle holds.
+
+        (A handle keying by the whole equation would hold its own op alive.)
+        """
+        return (self.rule, self.wrt, self.primals, self.batch)
+
+    def with_rule(self, rule: str, wrt: int = -1) -> Equation:
+        """The equation of another rule of the same op, at the same shapes."""
+        return Equation(self.op, rule, self.primals, self.batch, wrt)
+
+    def with_shapes(self, primals: tuple, batch: tuple) -> Equation:
+        """The same rule at other shapes (one more batch dim, a shard's block)."""
+        return Equation(self.op, self.rule, primals, batch, self.wrt)
+
+    # --- what the op knows about this equation ---------------------------------------
+
+    @property
+    def spec(self):
+        return self.op.spec
+
+    @property
+    def name(self) -> str:
+        """The op's class name, for messages."""
+        return self.op.spec.name
+
+    @property
+    def layout(self):
+        return self.op.layout(self.primals)
+
+    @property
+    def io(self):
+        """The rule's operands and results (:class:`~jaxdecl._spec.layout.RuleIO`), checked."""
+        return self.op.rule_io(self.primals, self.rule, self.wrt)
+
+    @property
+    def declared(self) -> bool:
+        """The op declares how it splits across devices (``sharding=``, ``@jd.sharding``)."""
+        return self.op.handle.declares_sharding
+
+    @property
+    def looped(self) -> bool:
+        """The kernel loops over the batch dims itself (``batch="loop"``)."""
+        return bool(self.batch) and self.spec.batch_mode == "loop"
+
+    def out_avals(self) -> tuple:
+        """``(shape, dtype)`` of every result, batch dims included."""
+        return tuple((self.batch + tuple(shape), dtype) for shape, dtype in self.io.out_avals)
+
+    def user_rule(self):
+        """The user's Rule behind this equation; MissingRuleError naming what to add."""
+        return self.op.user_rule(self.rule, self.wrt)
+
+    def traceable(self):
+        """The rule as a JAX-traceable ``f(*operands) -> list``, or None (a host rule)."""
+        return self.op.traceable(self.rule, self.primals)
+
+    def kernel(self, in_shapes: tuple) -> tuple:
+        """``(kernel, pin)`` of this equation for operands of `in_shapes` (hold `pin`)."""
+        return self.op.kernel(self.rule, self.wrt, self.primals, self.batch, in_shapes)
+
+    def factors(self, operand_shapes: tuple) -> _sharding.RuleFactors:
+        """Every dim of every operand and result named by a factor.
+
+        A declared op's factors come from its declaration. An op without one
+        needs every dim whole, except the batch dims a ``vmap`` added: batch
+        elements are independent, so each device may run its own rows.
+        """
+        if self.declared:
+            return _sharding.rule_factors(self.op.sharding(self.primals), self.layout,
+                                          self.rule, self.wrt, self.batch, operand_shapes)
+        return undeclared_factors(self.batch, operand_shapes,
+                                  [s for s, _ in self.out_avals()],
+                                  [s for s, _ in primal_leaves(self.primals)])
+
+
+def undeclared_factors(batch: tuple, operand_shapes, result_shapes, input_shapes):
+    """The factors of an op without a declaration: batch dims free, all else whole.
+
+    Example:
+        >>> f = undeclared_factors((8,), [(8, 3), (1, 3)], [(8, 3)], [(3,), (3,)])
+        >>> f.operands[0][0], f.operands[1][0], f.results[0][0], sorted(f.replicate)[:2]
+        ('#vmap0', '#bcast1.0', '#vmap0', ['#bcast1.0', 'x0'])
+    """
+    names = (f"x{k}" for k in itertools.count())
+    batch_factors = tuple(f"#vmap{k}" for k in range(len(batch)))
+    sizes = dict(zip(batch_factors, batch))
+    replicate = set()
+
+    def whole(shape):
+        own = tuple(next(names) for _ in shape)
+        replicate.update(own)
+        return own
+
+    operands = []
+    for index, shape in enumerate(operand_shapes):
+        lead = []
+        for k, size in enumerate(batch):
+            if shape[k] == size:
+                lead.append(batch_factors[k])
+            else:  # broadcast along this batch dim: its own, whole
+                own = f"#bcast{index}.{k}"
+                sizes[own] = shape[k]
+                replicate.add(own)
+                lead.append(own)
+        operands.append(tuple(lead) + whole(shape[len(batch):]))
+    results = tuple(batch_factors + whole(shape[len(batch):]) for shape in result_shapes)
+    inputs = tuple(whole(shape) for shape in input_shapes)
+    return _sharding.RuleFactors(tuple(operands), results, frozenset(replicate), sizes,
+                                 inputs, batch_factors)
+
+
+_compat.hold_weakly_in_caches(Equation)
+
+
+#: The one primitive every rule of every op binds; its parameter is an Equation.
+jaxdecl_p = _compat.Primitive("jaxdecl_call")
+jaxdecl_p.multiple_results = True
+
+
+def bind(eqn: Equation, operands) -> list:
+    """Binds `eqn` on JAX values (or tracers); returns its results."""
+    # Inside shard_map, operands that vary over fewer manual axes than others are
+    # cast (pvary) first; transposed, that sums a replicated input's gradient.
+    operands = _compat.insert_reshards(operands)
+    return jaxdecl_p.bind(*operands, equation=eqn)

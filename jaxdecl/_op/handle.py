@@ -1,0 +1,344 @@
+"""Ops as shared configurations: handles, their per-shape caches, and what equations carry.
+
+Every op instance maps to an :class:`OpHandle`, shared by all live instances of
+the same class with equal configuration (:mod:`jaxdecl._op.identity` says which
+are equal). The handle owns the per-shape caches (layouts, kernels). What an
+:class:`~jaxdecl._op.equation.Equation` carries as its ``op`` is a
+:class:`BoundOp`: the handle plus the instance that bound it, so that a traced
+program holds the op it calls. Calling an op lives in :mod:`jaxdecl._call`.
+
+Lifetimes (memory is bounded by what is alive):
+
+- a handle lives while an instance with its configuration lives (a
+  ``weakref.finalize`` anchor per instance), or a trace refers to it;
+- kernels refer to their op instance weakly; a compiled executable that runs
+  a kernel holds it and that instance until its last run has finished (see
+  :mod:`jaxdecl._host.registry` for the whole ownership graph);
+- eager calls, sharded or not, run through executables shared by every op of
+  a signature: nothing compiles per configuration;
+- nothing global holds an instance.
+
+Example:
+    >>> import jax, jax.numpy as jnp, jaxdecl as jd
+    >>> from jaxdecl._op.handle import handle_of
+    >>> class Scale(jd.Primitive):
+    ...     def __init__(self, factor):
+    ...         self.factor = factor
+    ...     @jd.abstract
+    ...     def shapes(self, x):
+    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    ...     @jd.forward
+    ...     def apply(self, x):
+    ...         return self.factor * x
+    >>> handle_of(Scale(2.0)) is handle_of(Scale(2.0))  # equal configuration
+    True
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import jax
+import numpy as np
+
+from .. import _compat
+from .._errors import missing_rule
+from .._host import kernels as _kernels
+from .._host import registry as _runtime
+from .._host import residuals as _residuals
+from .._host import structure as _structure
+from .._spec import layout as _layout
+from .._spec import sharding as _sharding
+from .._spec import signatures as _signatures
+from .._spec.cfunction import CFunction
+from .._spec.layout import FORWARD, FORWARD_SAVING, TRANSPOSE, TRANSPOSE_WRT
+from . import fingerprint as _fingerprint
+from .identity import attributes, check_static, claim_fingerprint, config_key, slot_names
+
+_lock = threading.RLock()
+_live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # config key -> handle
+_anchors: dict = {}  # id(instance) -> (its handle, its attributes then), while it lives
+_unanchorable: list = []  # instances that cannot be weakly referenced: kept for good
+
+# Bumped whenever the operand/result order a kernel sees changes: part of
+# every kernel fingerprint, so that no program compiled against another order
+# finds a live kernel by name. Bump _recipes.FORMAT with it: a program's recipe
+# would otherwise rebuild a kernel of this order for it (tests/test_recipes.py
+# pins the pair).
+_KERNEL_ABI = "jaxdecl-kernel-1"
+
+
+class OpHandle:
+    """One op configuration: its layouts and kernels, shared by equal instances."""
+
+    def __init__(self, spec, cls, items):
+        self.spec = spec
+        self.fingerprint = claim_fingerprint(self, cls, items)
+        self._layouts: dict = {}
+        self._rule_ios: dict = {}  # (primals, rule, wrt) -> RuleIO, its arity checked
+        self._kernels: dict = {}
+        self._shardings: dict = {}  # primals -> _sharding.Resolved or None
+        self.declares_sharding = spec.sharding is not None or "sharding" in spec.rules
+        self.eager_calls: dict = {}  # primals -> _eager.Call
+        self.sharded_calls: dict = {}  # see _eager.sharded_call -> _eager.Call
+        self.gather_warned: set = set()  # equations warned about (see _plan.warn_gathers)
+        self.split_checked: set = set()  # equations whose split @abstract agrees (lower_split)
+        self.saved = None  # (class path, saved configuration), see _recipes.configuration
+
+    def __repr__(self) -> str:
+        return self.spec.name
+
+    def layout(self, primals: tuple, instance) -> _layout.Layout:
+        layout = self._layouts.get(primals)
+        if layout is None:
+            layout = _layout.compute_layout(self.spec, instance, primals)
+            self._layouts[primals] = layout
+        return layout
+
+    def rule_io(self, primals: tuple, rule: str, wrt: int, instance) -> _layout.RuleIO:
+        """The operands and results of `rule` at `primals`, checked against its signature.
+
+        The first time a rule is traced at some input types, its parameters
+        are counted against what jaxdecl will pass (how many tangents or
+        cotangents depends on the dtypes): a mismatch is a DeclarationError
+        now rather than a bare TypeError from inside XLA later.
+        """
+        key = (primals, rule, wrt)
+        io = self._rule_ios.get(key)
+        if io is None:
+            layout = self.layout(primals, instance)
+            io = _layout.rule_io(self.spec, layout, rule, wrt)
+            _signatures.check_traced(self.spec, layout, rule, wrt, io)
+            self._rule_ios[key] = io
+        return io
+
+    def sharding(self, primals: tuple, instance):
+        """The sharding declaration applied to `primals` (None: the op declares none)."""
+        if primals in self._shardings:
+            return self._shardings[primals]
+        spec = self.spec
+        resolved = None
+        if self.declares_sharding:
+            layout = self.layout(primals, instance)
+            rule = spec.sharding
+            if rule is None:
+                rule = _sharding.call_method(spec.rules["sharding"], instance, layout, spec.name)
+            resolved = _sharding.resolve(rule, layout, spec.params, spec.name,
+                                         spec.keeps is not None and spec.keeps.result)
+        self._shardings[primals] = resolved
+        return resolved
+
+    def user_rule(self, rule: str, wrt: int = -1):
+        """The Rule behind `rule`, or raise MissingRuleError naming what to add."""
+        spec = self.spec
+        if rule in (FORWARD, FORWARD_SAVING):
+            return spec.rules["forward"]
+        if rule == TRANSPOSE:
+            return spec.rules.get("transpose") or spec.rules["adjoint"]
+        if rule == TRANSPOSE_WRT:
+            return spec.transposes_wrt[spec.params[wrt]]
+        found = spec.rules.get(rule)
+        if found is None:
+            raise missing_rule(spec, rule)
+        return found
+
+    def kernel(self, instance, rule: str, wrt: int, primals: tuple, batch: tuple,
+               in_shapes: tuple) -> tuple:
+        """``(kernel, pin)``: the registered kernel of one rule at one set of shapes.
+
+        Built on first use. Hold `pin` while the kernel may run: it keeps the op
+        instance the kernel calls alive. A cached kernel whose instance is gone
+        is rebuilt on `instance` (any live instance of this configuration
+        computes the same).
+        """
+        cache_key = (rule, wrt, primals, batch, in_shapes)
+        kernel = self._kernels.get(cache_key)
+        pin = kernel.pin() if kernel is not None else None
+        if pin is None:
+            with _lock:
+                # Another thread may have built it meanwhile: one registration each.
+                kernel = self._kernels.get(cache_key)
+                pin = kernel.pin() if kernel is not None else None
+                if pin is None:
+                    kernel = self._build_kernel(instance, rule, wrt, primals, batch, in_shapes)
+                    self._kernels[cache_key] = kernel
+                    pin = kernel.pin()
+        return kernel, pin
+
+    def kernel_fingerprint(self, rule, wrt, primals, batch, in_shapes) -> tuple:
+        """What compiled HLO names the kernel of `rule` at these shapes by."""
+        return _fingerprint.digest(_KERNEL_ABI, self.fingerprint, rule, str(wrt),
+                                   repr(primals), repr(batch), repr(in_shapes))
+
+    def _build_kernel(self, instance, rule, wrt, primals, batch, in_shapes):
+        spec = self.spec
+        user = self.user_rule(rule, wrt)
+        name = f"{spec.name}.{user.name} (@{user.kind})"
+        fingerprint = self.kernel_fingerprint(rule, wrt, primals, batch, in_shapes)
+        # batch="loop": the dispatcher runs the kernel once per row of the batch.
+        rows = batch if spec.batch_mode == "loop" else ()
+        io = self.rule_io(primals, rule, wrt, instance)
+        # An adjoint's leading operands (the non-differentiable inputs) pass unconjugated.
+        n_lead = len(io.in_names) - sum(self.layout(primals, instance).float_out)
+        if isinstance(user.function, CFunction):
+            return _runtime.register_c(
+                fingerprint, name, user.function, operands=_residuals.c_operands(io),
+                rows=rows, conj_from=n_lead if user.kind == "adjoint" else -1)
+        function, ref = _kernels.weak_binding(user, instance)
+        zero_copy = user.zero_copy
+        batch_rank = 0 if rows else len(batch)  # a vectorized batch's results may broadcast
+        keyworded = bool(io.keywords or io.n_extra)
+        if keyworded:  # saved=/result= arguments, or extras the rule leaves out
+            function, zero_copy, io = _residuals.kernel_rule(
+                function, io, zero_copy, name, 0 if ref is None else 1, batch_rank)
+        elif io.structured:
+            # The rule takes and returns pytrees; the kernel deals in flat arrays.
+            function, io = _structure.structured_rule(
+                function, io, zero_copy, name, n_head=0 if ref is None else 1)
+        if user.kind == "adjoint":
+            function = _kernels.transpose_from_adjoint(
+                function, zero_copy, n_lead, takes_instance=ref is not None)
+        host = _kernels.make_kernel(function, zero_copy=zero_copy, io=io, context=name,
+                                    batch_rank=batch_rank, rows=rows, instance_ref=ref)
+        return _runtime.register(fingerprint, name, host, ref)
+
+
+class BoundOp:
+    """The primitive's ``op`` parameter: a handle and the instance that bound it.
+
+    Equal (and hashing alike) for every instance of one configuration, so JAX's
+    caches treat them as one; holding the instance keeps a traced program's op
+    alive for as long as the program exists.
+    """
+
+    __slots__ = ("handle", "instance", "__weakref__")
+
+    def __init__(self, handle: OpHandle, instance):
+        self.handle = handle
+        self.instance = instance
+
+    def __eq__(self, other):
+        return type(other) is BoundOp and other.handle is self.handle
+
+    def __hash__(self):
+        return id(self.handle)
+
+    def __repr__(self) -> str:
+        return self.handle.spec.name
+
+    @property
+    def spec(self):
+        return self.handle.spec
+
+    def layout(self, primals: tuple) -> _layout.Layout:
+        return self.handle.layout(primals, self.instance)
+
+    def rule_io(self, primals: tuple, rule: str, wrt: int) -> _layout.RuleIO:
+        """See :meth:`OpHandle.rule_io`."""
+        return self.handle.rule_io(primals, rule, wrt, self.instance)
+
+    def user_rule(self, rule: str, wrt: int = -1):
+        return self.handle.user_rule(rule, wrt)
+
+    def sharding(self, primals: tuple):
+        """See :meth:`OpHandle.sharding`."""
+        return self.handle.sharding(primals, self.instance)
+
+    def kernel(self, rule: str, wrt: int, primals: tuple, batch: tuple, in_shapes: tuple):
+        """``(kernel, pin)``, see :meth:`OpHandle.kernel`."""
+        return self.handle.kernel(self.instance, rule, wrt, primals, batch, in_shapes)
+
+    def traceable(self, rule: str, primals: tuple):
+        """The traceable (JAX-valued) form of jvp/vjp as ``f(*operands) -> list``, or None."""
+        found = self.spec.rules.get(rule)
+        if found is None or not found.traceable:
+            return None
+        io = self.rule_io(primals, rule, -1)
+        context = f"{self.spec.name}.{found.name} (@{found.kind})"
+        if io.keywords or io.n_extra:
+            return _residuals.traceable_rule(found.bind(self.instance), io, context)
+        return _structure.traceable_rule(found.bind(self.instance), io, context)
+
+
+_compat.hold_weakly_in_caches(BoundOp)
+
+
+def spec_of(op):
+    """The OpSpec of a jaxdecl op (instance) or class; TypeError otherwise."""
+    spec = getattr(op, "__jaxdecl_spec__", None)
+    if spec is None:
+        raise TypeError(f"{op!r} is not a jaxdecl primitive (subclass jd.Primitive or use "
+                        f"@jd.primitive)")
+    return spec
+
+
+def _anchor(instance, handle: OpHandle, values) -> None:
+    """Keeps `handle` alive while `instance` lives, and no longer; remembers the
+    attribute values it was keyed by (see :func:`handle_of`)."""
+    first = id(instance) not in _anchors
+    # Only values that cannot refer back to the instance are remembered (a bound
+    # method of the op would keep it alive for good); other configurations take
+    # the slow path each time.
+    simple = values is not None and all(_simple(v) for v in values.values())
+    # The class, when its instances' __dict__ is their whole configuration: then
+    # handle_of reads that dict directly (see attributes).
+    cls = type(instance)
+    plain = cls if not slot_names(cls) and hasattr(instance, "__dict__") else None
+    _anchors[id(instance)] = (handle, dict(values) if simple else None, plain)
+    if first:
+        try:
+            finalizer = weakref.finalize(instance, _anchors.pop, id(instance), None)
+            finalizer.atexit = False
+        except TypeError:  # cannot be weakly referenced
+            _unanchorable.append(instance)
+
+
+def handle_of(instance) -> OpHandle:
+    """The shared handle of an op instance's configuration (created on first use).
+
+    Looked up from the configuration on every call rather than cached on the
+    instance: a cache attribute would change the pytree and equality of
+    dataclass-like ops (equinox, nifty.re), and configuration set after a first
+    use (nifty.re models evaluate themselves inside __init__) must count. The
+    common case is an instance whose attributes are the very objects its
+    handle was found by: then the handle is its anchor's, with no key to build.
+    """
+    anchored = _anchors.get(id(instance))
+    if anchored is None:
+        values = attributes(instance)
+    else:
+        handle, seen, plain = anchored
+        values = instance.__dict__ if type(instance) is plain else attributes(instance)
+        if seen is not None and values is not None and len(seen) == len(values):
+            # A plain loop: this runs on every eager call, and a generator costs more.
+            for name, value in seen.items():
+                if values.get(name, _MISSING) is not value:
+                    break
+            else:
+                return handle
+    key, items = config_key(instance)
+    handle = _live.get(key)
+    if handle is None:
+        spec = spec_of(instance)
+        with _lock:
+            handle = _live.get(key)
+            if handle is None:
+                check_static(spec, instance)
+                handle = OpHandle(spec, type(instance), items)
+                _live[key] = handle
+    _anchor(instance, handle, values)
+    return handle
+
+
+_MISSING = object()
+_ATOMS = (int, float, complex, str, bytes, type(None), np.ndarray, np.generic, np.dtype,
+          jax.Array)
+
+
+def _simple(value) -> bool:
+    """A value that holds no reference to other Python objects (bar its own data)."""
+    if isinstance(value, tuple):
+        return all(_simple(v) for v in value)
+    return isinstance(value, _ATOMS) and not isinstance(value, _compat.Tracer) and \
+        not (isinstance(value, np.ndarray) and value.dtype.hasobject)

@@ -1,0 +1,195 @@
+"""Which op instances are one configuration: equality keys, fingerprints, static checks.
+
+Two instances share compiled code when their configurations are equal: by the
+class's own ``__eq__``/``__hash__`` where it defines them, else by their
+attributes (``__dict__`` and set ``__slots__``, typed: 1, 1.0 and True differ)
+when those are hashable, else by identity. Keys never keep an instance alive.
+
+Example:
+    >>> class Scale:  # (any class: the key reads only the configuration)
+    ...     def __init__(self, factor):
+    ...         self.factor = factor
+    >>> config_key(Scale(2.0))[0] == config_key(Scale(2.0))[0]
+    True
+    >>> config_key(Scale(2.0))[0] == config_key(Scale(2))[0]  # typed
+    False
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import jax
+import numpy as np
+
+from .. import _compat
+from . import fingerprint as _fingerprint
+
+_by_fingerprint: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+class _WeakKey:
+    """A dict key that stands for an instance without keeping it alive.
+
+    By identity, or by the class's own ``__eq__``/``__hash__``. A key whose
+    instance is gone equals nothing, so a reused ``id`` never finds the handle
+    of a dead op.
+    """
+
+    __slots__ = ("ref", "hash", "by_identity")
+
+    def __init__(self, instance, by_identity: bool):
+        self.ref = weakref.ref(instance)
+        self.by_identity = by_identity
+        self.hash = id(instance) if by_identity else hash((type(instance), instance))
+
+    def __hash__(self):
+        return self.hash
+
+    def __eq__(self, other):
+        if type(other) is not _WeakKey or other.by_identity != self.by_identity:
+            return False
+        a, b = self.ref(), other.ref()
+        if a is None or b is None:
+            return False
+        if self.by_identity:
+            return a is b
+        return type(a) is type(b) and bool(a == b)
+
+
+def _weak_or_strong_key(instance, by_identity: bool):
+    try:
+        return _WeakKey(instance, by_identity)
+    except TypeError:  # no __weakref__: such instances are kept for good (see _anchor)
+        return ("id", id(instance)) if by_identity else ("eq", type(instance), instance)
+
+
+_slot_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # class -> names
+
+
+def slot_names(cls) -> tuple:
+    """The (mangled) names of every ``__slots__`` entry of `cls` and its bases."""
+    names = _slot_names.get(cls)
+    if names is None:
+        names = []
+        for klass in cls.__mro__:
+            slots = vars(klass).get("__slots__", ())
+            for name in (slots,) if isinstance(slots, str) else slots:
+                if name in ("__dict__", "__weakref__"):
+                    continue
+                if name.startswith("__") and not name.endswith("__"):
+                    name = f"_{klass.__name__.lstrip('_')}{name}"  # name mangling
+                names.append(name)
+        names = _slot_names[cls] = tuple(names)
+    return names
+
+
+def attributes(instance) -> dict | None:
+    """The instance's configuration: its ``__dict__`` and the ``__slots__`` it has set."""
+    names = slot_names(type(instance))
+    attributes = getattr(instance, "__dict__", None)
+    if not names:
+        return attributes
+    merged = dict(attributes or {})
+    for name in names:
+        try:
+            merged[name] = getattr(instance, name)
+        except AttributeError:  # a slot not set
+            pass
+    return merged
+
+
+def config_key(instance):
+    """``(key, items)``: equal keys <=> instances share compiled code.
+
+    A class's own ``__eq__``/``__hash__`` decide where it defines them;
+    otherwise the instance attributes are compared when they are all hashable,
+    and identity is used when they are not.
+
+    `items` are the (name, type, value) triples of the configuration, for the
+    fingerprint; None when the op is keyed by identity.
+    """
+    cls = type(instance)
+    values = attributes(instance)
+    items = None
+    if values is not None:
+        # Typed, so that 1, 1.0 and True are different configurations.
+        items = tuple(sorted((name, type(value), value) for name, value in values.items()))
+        if any(getattr(value, "__self__", None) is instance for _, _, value in items):
+            # A bound method of the op itself: a value key would hold the op for good.
+            return _weak_or_strong_key(instance, True), None
+    if cls.__eq__ is not object.__eq__ or cls.__hash__ is not object.__hash__:
+        try:
+            hash(instance)
+        except TypeError:
+            return _weak_or_strong_key(instance, True), None
+        return _weak_or_strong_key(instance, False), items
+    if items is None:
+        return _weak_or_strong_key(instance, True), None
+    try:
+        hash(items)
+    except TypeError:
+        return _weak_or_strong_key(instance, True), None
+    return ("attrs", cls, items), items
+
+
+def claim_fingerprint(handle, cls, items) -> str:
+    """The configuration part of kernel fingerprints, unique among live handles."""
+    text = _fingerprint.configuration_token(cls, items)
+    owner = _by_fingerprint.get(text)
+    if owner is not None and owner is not handle:
+        # Another live handle has the same text (two classes with one qualified
+        # name, or a class whose __eq__ tells apart what its attributes do not).
+        text = f"{text}|{_fingerprint.process_unique()}"
+    _by_fingerprint[text] = handle
+    return text
+
+
+def _is_traced(value) -> bool:
+    """`value` is a JAX tracer, or a pytree (list, dict, Module, ...) holding one."""
+    if isinstance(value, _compat.Tracer):
+        return True
+    if isinstance(value, (int, float, complex, str, bytes, np.ndarray, jax.Array, type)) \
+            or value is None:
+        return False
+    try:
+        return any(isinstance(leaf, _compat.Tracer) for leaf in jax.tree_util.tree_leaves(value))
+    except Exception:  # noqa: BLE001 - an exotic object is no pytree of tracers
+        return False
+
+
+def check_static(spec, instance) -> None:
+    """Raises TypeError when the op's configuration, or a rule's closure, holds a tracer.
+
+    The rules run on the host, outside the trace, and read the configuration
+    there: a traced value (an array field of an equinox.Module op passed
+    through ``eqx.filter_jit``, an op built from a traced value, a rule closing
+    over one) cannot be read, and would fail later inside XLA.
+    """
+    for name, value in (attributes(instance) or {}).items():
+        if _is_traced(value):
+            raise TypeError(
+                f"{spec.name}: the op's configuration attribute {name!r} is a JAX tracer: "
+                f"it is traced by the function that calls the op (jax.jit or "
+                f"eqx.filter_jit over an op with an array field, or an op built from a "
+                f"traced value). Configuration is static (the rules read it on the host), so "
+                f"either pass {name!r} as an input of the op (a parameter of @abstract and "
+                f"the rules; list it in nondiff= if it is not differentiated: the way for "
+                f"large arrays), or mark it static (`{name}: ... = eqx.field(static=True)` "
+                f"on an equinox field; or close over the op instead of passing it to the "
+                f"traced function)")
+    for rule in list(spec.rules.values()) + list(spec.transposes_wrt.values()):
+        code = getattr(rule.function, "__code__", None)
+        cells = getattr(rule.function, "__closure__", None) or ()
+        for variable, cell in zip(getattr(code, "co_freevars", ()), cells):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if _is_traced(value):
+                raise TypeError(
+                    f"{spec.name}.{rule.name} (@{rule.kind}) closes over {variable!r}, a "
+                    f"JAX tracer of the function being traced; the rule runs on the host "
+                    f"and cannot read it. Either pass {variable!r} as an input of the op "
+                    f"(list it in nondiff= if it is not differentiated), or make it static: "
+                    f"a NumPy array or Python value computed outside the traced function")

@@ -1,0 +1,4 @@
+"""What a class declares.
+
+This room's README.md says what it owns, its invariants and who may import it.
+"""

@@ -1,0 +1,341 @@
+"""The rule decorators: marking a method with the role it plays in an op.
+
+``@jd.abstract``, ``@jd.forward``, ``@jd.jvp`` and the others attach a
+:class:`Rule` to the method (its kind, and how it wants to be called) and
+return the method unchanged, so a class stays a plain class until
+:mod:`jaxdecl._declare` reads the marks. :func:`collect_rules` gathers them
+from a class and its bases.
+
+Example:
+    >>> import jaxdecl as jd
+    >>> from jaxdecl._spec.rules import collect_rules
+    >>> class Copy:
+    ...     @jd.forward
+    ...     def apply(self, x, *, out):
+    ...         out[...] = x
+    ...     @jd.vjp(traceable=True)
+    ...     def pull(self, x, ct):
+    ...         return ct
+    >>> [(r.kind, r.name, r.zero_copy, r.traceable) for r in collect_rules(Copy)]
+    [('forward', 'apply', True, False), ('vjp', 'pull', False, True)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+
+from .._errors import DeclarationError
+from .cfunction import CFunction
+
+RULE_KINDS = ("abstract", "forward", "jvp", "vjp", "transpose", "adjoint", "batch", "sharding",
+              "residuals")
+_MARK = "__jaxdecl_rule__"
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One decorated method: what it is for and how it wants to be called."""
+
+    kind: str
+    name: str  # the method's name, for messages
+    function: Callable
+    traceable: bool = False  # takes and returns JAX values (jax.numpy, other ops)
+    wrt: str | None = None  # multilinear transpose: which input
+    zero_copy: bool = False  # fills a keyword-only `out` instead of returning
+
+    def bind(self, instance) -> Callable:
+        return self.function.__get__(instance, type(instance))
+
+
+def _make_decorator(kind: str, doc: str, *, traceable_ok: bool = False, wrt_ok: bool = False):
+    def decorator(function=None, *, traceable: bool = False, wrt: str | None = None):
+        if traceable and not traceable_ok:
+            raise TypeError(f"@jd.{kind} takes no traceable= option")
+        if wrt is not None and not wrt_ok:
+            raise TypeError(f"@jd.{kind} takes no wrt= option")
+
+        def mark(fn):
+            if not callable(fn):
+                raise TypeError(f"@jd.{kind} decorates a method, got {fn!r}")
+            existing = rule_of(fn)
+            if existing is not None and (existing.kind, existing.wrt) != (kind, wrt):
+                raise DeclarationError(
+                    f"{existing.name} is already marked {_label(existing.kind, existing.wrt)}; a "
+                    f"method has one role, so {_label(kind, wrt)} cannot also apply. To use one "
+                    f"function for both, give the second role its own method that calls the first"
+                )
+            setattr(fn, _MARK, Rule(kind, fn.__name__, fn, traceable, wrt, _takes_out(fn)))
+            return fn
+
+        return mark if function is None else mark(function)
+
+    decorator.__name__ = kind
+    decorator.__qualname__ = kind
+    decorator.__doc__ = doc
+    # help() and the API reference show the options this decorator takes, not all of them.
+    keywords = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
+                for name, default, ok in (("traceable", False, traceable_ok), ("wrt", None, wrt_ok))
+                if ok]
+    decorator.__signature__ = inspect.Signature(
+        [inspect.Parameter("function", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                           default=None if keywords else inspect.Parameter.empty), *keywords])
+    return decorator
+
+
+def _label(kind: str, wrt: str | None) -> str:
+    return f"@jd.{kind}" + (f"(wrt={wrt!r})" if wrt is not None else "")
+
+
+def _takes_out(fn) -> bool:
+    if isinstance(fn, CFunction):
+        return True  # C kernels always write into their outputs
+    try:
+        parameter = inspect.signature(fn).parameters.get("out")
+    except (TypeError, ValueError):
+        return False
+    return parameter is not None and parameter.kind is inspect.Parameter.KEYWORD_ONLY
+
+
+abstract = _make_decorator("abstract", """Marks the shape rule: input structs -> output struct(s).
+
+Inputs arrive as ``jax.ShapeDtypeStruct``; return one, or a tuple of them.
+
+Example:
+    >>> import jax, jaxdecl as jd
+    >>> class Double(jd.Primitive):
+    ...     @jd.abstract
+    ...     def shapes(self, x):
+    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    ...     @jd.forward
+    ...     def apply(self, x):
+    ...         return 2 * x
+    >>> float(Double()(1.5))
+    3.0
+""")
+
+forward = _make_decorator("forward", """Marks the evaluation rule, run on views of XLA's buffers.
+
+Either return the result array(s), or take a keyword-only ``out`` (an array,
+or a tuple of them) and fill it in place (zero-copy form).
+
+Example:
+    >>> import jax, numpy as np, jaxdecl as jd
+    >>> class Square(jd.Primitive):
+    ...     @jd.abstract
+    ...     def shapes(self, x):
+    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    ...     @jd.forward
+    ...     def apply(self, x, *, out):
+    ...         np.multiply(x, x, out=out)
+    >>> float(Square()(3.0))
+    9.0
+""")
+
+jvp = _make_decorator("jvp", """Marks the forward-mode rule ``(self, *inputs, *tangents)``.
+
+Returns the output tangent(s).
+
+One tangent arrives per differentiable input (floating or complex, not in
+``nondiff=``), in input order; one is returned per floating/complex output, bare
+when there is exactly one (an op with outputs ``(distance, index)`` returns just
+the distance's tangent). Pytree inputs and outputs get pytree tangents, with
+``None`` at integer leaves. With ``traceable=True`` the rule receives and
+returns JAX values and is differentiated again by JAX (higher order).
+
+Example:
+    >>> import jax, jaxdecl as jd
+    >>> class Sin(jd.Primitive):
+    ...     @jd.abstract
+    ...     def shapes(self, x):
+    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    ...     @jd.forward
+    ...     def apply(self, x):
+    ...         import numpy as np; return np.sin(x)
+    ...     @jd.jvp(traceable=True)
+    ...     def push(self, x, dx):
+    ...         return jax.numpy.cos(x) * dx
+    >>> round(float(jax.grad(Sin())(0.0)), 6)
+    1.0
+""", traceable_ok=True)
+
+vjp = _make_decorator("vjp", """Marks the reverse-mode rule ``(self, *inputs, *cotangents)``.
+
+Returns the input cotangent(s).
+
+One cotangent arrives per floating/complex output; one is returned per
+differentiable input (a tuple if several), where ``None`` stands for zero (a
+whole cotangent or a subtree of a pytree one). Returns Jᵀ·ct, not conjugated.
+
+Example:
+    >>> import jax, numpy as np, jaxdecl as jd
+    >>> class Cube(jd.Primitive):
+    ...     @jd.abstract
+    ...     def shapes(self, x):
+    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    ...     @jd.forward
+    ...     def apply(self, x):
+    ...         return x**3
+    ...     @jd.vjp
+    ...     def pull(self, x, ct):
+    ...         return 3 * x**2 * ct
+    >>> float(jax.grad(Cube())(2.0))
+    12.0
+""", traceable_ok=True)
+
+transpose = _make_decorator("transpose", """Marks the transpose of a linear or multilinear op.
+
+Linear op: ``(self, *nondiff_inputs, *cotangents) -> cotangent(s) of the linear inputs``.
+Multilinear op: ``@jd.transpose(wrt="x")`` with ``(self, *inputs_but_x, ct) -> ct_x``.
+
+Example:
+    >>> import jax, numpy as np, jaxdecl as jd
+    >>> class Scale(jd.Primitive, linear=True):
+    ...     @jd.abstract
+    ...     def shapes(self, x):
+    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    ...     @jd.forward
+    ...     def apply(self, x):
+    ...         return 3 * x
+    ...     @jd.transpose
+    ...     def apply_t(self, ct):
+    ...         return 3 * ct
+    >>> float(jax.grad(Scale())(1.0))
+    3.0
+""", wrt_ok=True)
+
+adjoint = _make_decorator("adjoint", """Marks the conjugate transpose Aᴴy of a linear op.
+
+An alternative to ``@transpose``.
+
+jaxdecl derives the transpose as ``conj(adjoint(conj(ct)))``; handy for
+libraries (FFTs, DUCC) that provide adjoints.
+
+Example:
+    >>> import jax, numpy as np, jaxdecl as jd
+    >>> class Rotate(jd.Primitive, linear=True):
+    ...     @jd.abstract
+    ...     def shapes(self, x):
+    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    ...     @jd.forward
+    ...     def apply(self, x):
+    ...         return 1j * x
+    ...     @jd.adjoint
+    ...     def apply_h(self, y):
+    ...         return -1j * y
+    >>> complex(jax.linear_transpose(Rotate(), 1j)(1.0 + 0j)[0]) == 1j
+    True
+""")
+
+batch = _make_decorator("batch", """Marks a trace-time batching rule ``(self, args, axes)``.
+
+Returns ``(outputs, out_axes)``.
+
+`args` are JAX values, `axes` their batch axis (an int, or None when not
+batched). The rule may call any op, typically a reconfigured instance of the
+same class that folds the batch into a native axis.
+
+Example:
+    >>> import jax, jax.numpy as jnp, jaxdecl as jd
+    >>> class Neg(jd.Primitive):
+    ...     @jd.abstract
+    ...     def shapes(self, x):
+    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    ...     @jd.forward
+    ...     def apply(self, x):
+    ...         return -x
+    ...     @jd.batch
+    ...     def batched(self, args, axes):
+    ...         return self(*args), axes[0]
+    >>> jax.vmap(Neg())(jnp.ones(2)).tolist()
+    [-1.0, -1.0]
+""")
+
+sharding = _make_decorator("sharding", """Marks the method that says how the op splits on devices.
+
+It sees the inputs as ``jax.ShapeDtypeStruct`` (as ``@abstract`` does) and
+returns a :class:`~jaxdecl.ShardingRule`; use it when the rule depends on the
+configuration or the shapes, instead of the class options ``sharding=``,
+``replicate=`` and ``reduce=``.
+
+Example:
+    >>> import jax, numpy as np, jaxdecl as jd
+    >>> class Cumsum(jd.Primitive):
+    ...     def __init__(self, axis):
+    ...         self.axis = axis
+    ...     @jd.abstract
+    ...     def shapes(self, x):
+    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    ...     @jd.forward
+    ...     def apply(self, x):
+    ...         return np.cumsum(x, axis=self.axis)
+    ...     @jd.sharding
+    ...     def split(self, x):
+    ...         dims = [f"d{i}" for i in range(x.ndim)]
+    ...         rule = " ".join(dims) + " -> " + " ".join(dims)
+    ...         return jd.ShardingRule(rule, replicate=(dims[self.axis],))
+    >>> Cumsum(1)(np.ones((2, 3))).tolist()
+    [[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]]
+""")
+
+
+residuals = _make_decorator("residuals", """Marks the method that declares what the forward keeps.
+
+It sees the inputs as ``jax.ShapeDtypeStruct`` (as ``@abstract`` does) and
+returns a pytree of them, any dtype. The ``@forward`` then takes a
+keyword-only ``saved``: writable views of those arrays to fill when a
+derivative follows, ``None`` on a plain call (nothing is allocated then). A
+``@jvp`` or ``@vjp`` that adds the keyword-only ``saved`` receives them, read
+only; one that adds ``result`` receives the forward's output. Under ``grad``,
+``vjp``, ``jvp`` and ``linearize`` the forward then runs once per evaluation.
+
+Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxdecl as jd
+    >>> class Normalize(jd.Primitive):
+    ...     @jd.abstract
+    ...     def shapes(self, x):
+    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    ...     @jd.residuals
+    ...     def keeps(self, x):
+    ...         return {"norm": jax.ShapeDtypeStruct((), x.dtype)}
+    ...     @jd.forward
+    ...     def apply(self, x, *, saved=None):
+    ...         norm = np.linalg.norm(x)
+    ...         if saved is not None:
+    ...             saved["norm"][...] = norm
+    ...         return x / norm
+    ...     @jd.vjp
+    ...     def pull(self, x, ct, *, saved, result):
+    ...         return (ct - result * np.dot(result, ct)) / saved["norm"]
+    >>> jax.grad(lambda x: Normalize()(x)[0])(jnp.array([3.0, 4.0])).tolist()
+    [0.128, -0.096]
+""")
+
+
+def rule_of(value) -> Rule | None:
+    """The Rule a decorator attached to `value`, or None for an unmarked attribute."""
+    rule = getattr(value, _MARK, None)
+    return rule if isinstance(rule, Rule) else None
+
+
+def collect_rules(cls) -> list[Rule]:
+    """Marked methods of `cls` and its bases, the most derived one winning by name.
+
+    A subclass that overrides a rule method without repeating the decorator
+    keeps the method's role (as overriding any method keeps its meaning);
+    overriding it with a non-callable removes the rule.
+    """
+    seen: dict[str, Rule] = {}
+    for klass in reversed(cls.__mro__):
+        for attr, value in vars(klass).items():
+            rule = rule_of(value)
+            if rule is not None:
+                seen[attr] = rule
+            elif attr in seen:
+                if callable(value):
+                    seen[attr] = dataclasses.replace(
+                        seen[attr], name=attr, function=value, zero_copy=_takes_out(value))
+                else:
+                    del seen[attr]
+    return list(seen.values())

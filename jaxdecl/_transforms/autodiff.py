@@ -1,0 +1,367 @@
+"""Forward- and reverse-mode rules of the ``jaxdecl_call`` primitive.
+
+The wiring that gives an opaque function both modes: the forward rule's JVP
+binds the ``jvp`` rule, linear in the tangents; transposing that binds the
+``vjp`` rule, linear in the cotangents; transposing *that* binds ``jvp`` again.
+Linear ops map forward <-> ``transpose``; multilinear ops map forward <->
+``transpose_wrt`` one input at a time. Each rule is linear (or multilinear) in
+some operands ("slots"); a tangent on any other operand needs a second
+derivative, which exists only for traceable rules.
+
+An op whose rules take ``saved=`` or ``result=`` binds ``forward_saving`` (or
+the plain forward, for ``result`` alone) *before* its ``jvp`` and passes the
+forward's outputs and residuals to the ``jvp``/``vjp`` equations as extras
+(see :mod:`jaxdecl._host.residuals`): one forward per derivative.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .. import _compat
+from .._errors import MissingRuleError, missing_rule
+from .._op.equation import bind, jaxdecl_p
+from .._spec.layout import FORWARD, FORWARD_SAVING, JVP, TRANSPOSE, TRANSPOSE_WRT, VJP, n_extra
+from .lowering import broadcast_vmapped
+
+Zero = _compat.Zero
+
+
+def _is_zero(t) -> bool:
+    return type(t) is Zero
+
+
+def _check_nondiff(op, layout, tangents, inputs=None) -> None:
+    """A tangent on a nondiff= input is an error, never silently dropped.
+
+    `tangents[k]` belongs to primal input `inputs[k]` (default: input k).
+    """
+    inputs = range(len(tangents)) if inputs is None else inputs
+    for index, tangent in zip(inputs, tangents):
+        if not layout.diff[index] and not _is_zero(tangent) and not _is_float0(tangent):
+            name = op.spec.params[layout.leaf_param[index]]
+            raise ValueError(
+                f"{op.spec.name}: input {name!r} is declared nondiff=, so jaxdecl cannot "
+                f"differentiate with respect to it (a value that depends on what you "
+                f"differentiate flows into it); wrap it in jax.lax.stop_gradient if its "
+                f"derivative is meant to be zero"
+            )
+
+
+def _slots(op, layout, rule, wrt):
+    """Operand indices a rule is linear (or multilinear) in."""
+    n = len(layout.inputs)
+    n_ct = sum(layout.float_out)
+    diff = layout.diff_indices
+    if rule == FORWARD:
+        return diff
+    if rule == JVP:
+        return tuple(range(n, n + len(diff)))
+    if rule == VJP:
+        return tuple(range(n, n + n_ct))
+    if rule == TRANSPOSE:
+        n_lead = n - len(diff)
+        return tuple(range(n_lead, n_lead + n_ct))
+    # transpose_wrt: the other differentiable inputs, then the cotangents
+    others = [i for i in range(n) if i != wrt]
+    return tuple(k for k, i in enumerate(others) if layout.diff[i]) + tuple(
+        range(n - 1, n - 1 + n_ct))
+
+
+def _second_order_form(op, rule, layout, primals):
+    """A JAX-traceable version of the jvp/vjp rule, so it can be differentiated again."""
+    own = op.traceable(rule, primals)
+    if own is not None:
+        return own
+    other = op.traceable(VJP if rule == JVP else JVP, primals)
+    if other is None:
+        return None
+    n = len(layout.inputs)
+    # Extras (the forward's outputs, residuals) follow the slots; they pass through.
+    n_slots = len(layout.diff_indices) if rule == JVP else sum(layout.float_out)
+    if rule == JVP:  # jvp(x, .) is the transpose of vjp(x, .)
+        ct_avals = [layout.outputs[j] for j in layout.float_out_indices]
+
+        def jvp_form(*operands):
+            xs, dxs, extras = operands[:n], operands[n:n + n_slots], operands[n + n_slots:]
+            structs = [jax.ShapeDtypeStruct(s, d) for s, d in ct_avals]
+            return list(jax.linear_transpose(lambda *c: other(*xs, *c, *extras),
+                                             *structs)(list(dxs)))
+
+        return jvp_form
+    dx_avals = [layout.inputs[i] for i in layout.diff_indices]
+
+    def vjp_form(*operands):
+        xs, cts, extras = operands[:n], operands[n:n + n_slots], operands[n + n_slots:]
+        structs = [jax.ShapeDtypeStruct(s, d) for s, d in dx_avals]
+        return list(jax.linear_transpose(lambda *d: other(*xs, *d, *extras),
+                                         *structs)(list(cts)))
+
+    return vjp_form
+
+
+def _not_differentiable(op, rule) -> MissingRuleError:
+    spec = op.spec
+    method = spec.describe(rule)
+    return MissingRuleError(
+        f"{method} (@{rule}) is a NumPy rule, so JAX cannot differentiate it again: second "
+        f"derivatives of {spec.name} (hessian, jvp of grad, grad of grad) need "
+        f"`@jd.{rule}(traceable=True)` written with jax.numpy or other jaxdecl ops (a "
+        f"traceable @{'vjp' if rule == JVP else 'jvp'} also works)"
+    )
+
+
+def jvp_rule(operands, tangents, *, equation):
+    eqn = equation
+    op, rule, wrt, primals, batch = eqn.op, eqn.rule, eqn.wrt, eqn.primals, eqn.batch
+    spec = op.spec
+    layout = eqn.layout
+    if rule in (FORWARD, FORWARD_SAVING):
+        _check_nondiff(op, layout, tangents[:len(layout.inputs)])
+        if not spec.linear and not spec.multilinear:
+            return _jvp_nonlinear(eqn, layout, operands, tangents)
+    elif rule in (TRANSPOSE, TRANSPOSE_WRT):
+        lead = [i for i in range(len(layout.inputs)) if i != wrt] if rule == TRANSPOSE_WRT \
+            else [i for i in range(len(layout.inputs)) if not layout.diff[i]]
+        _check_nondiff(op, layout, tangents[:len(lead)], lead)
+
+    slots = _slots(op, layout, rule, wrt)
+    others = [k for k in range(len(operands)) if k not in slots]
+    if any(not _is_zero(tangents[k]) and tangents[k].dtype != jax.dtypes.float0
+           for k in others):
+        # A tangent on a non-linear operand: differentiate a traceable form.
+        form = _second_order_form(op, rule, layout, primals) if rule in (JVP, VJP) else None
+        if form is None:
+            raise _not_differentiable(op, rule if rule in (JVP, VJP) else JVP)
+        evaluate = broadcast_vmapped(form, batch)
+        dense = [_compat.instantiate_zeros(t) if _is_zero(t) else t for t in tangents]
+        return jax.jvp(lambda *a: evaluate(*a), list(operands), dense)
+
+    outs = bind(eqn, operands)
+    out_avals = [o.aval for o in outs]
+    float_mask = layout.float_out if rule == FORWARD else (True,) * len(outs)
+    live = [k for k in slots if not _is_zero(tangents[k])]
+    if not live:
+        return outs, [_compat.float0_zero(a) for a in out_avals]
+    jointly_linear = rule in (JVP, VJP, TRANSPOSE) or (rule == FORWARD and spec.linear)
+    if jointly_linear:
+        args = list(operands)
+        for k in slots:
+            args[k] = _compat.instantiate_zeros(tangents[k])
+        terms = [bind(eqn, args)]
+    else:  # multilinear: one term per slot with a tangent
+        terms = []
+        for k in live:
+            args = list(operands)
+            args[k] = tangents[k]
+            terms.append(bind(eqn, args))
+    total = [sum(t[j] for t in terms[1:]) + terms[0][j] if len(terms) > 1 else terms[0][j]
+             for j in range(len(outs))]
+    tangents_out = [total[j] if float_mask[j] else _compat.float0_zero(out_avals[j])
+                    for j in range(len(outs))]
+    return outs, tangents_out
+
+
+def _is_float0(t) -> bool:
+    return not _is_zero(t) and getattr(t, "dtype", None) == jax.dtypes.float0
+
+
+def _jvp_nonlinear(eqn, layout, operands, tangents):
+    """The forward and its tangents; the rule is ``forward_saving`` only at second order."""
+    op, rule, primals = eqn.op, eqn.rule, eqn.primals
+    diff = layout.diff_indices
+    keeps = op.spec.keeps
+    live = any(not _is_zero(tangents[i]) for i in diff)
+    if not live or not any(layout.float_out):
+        outs = bind(eqn, operands)
+        return outs, [_compat.float0_zero(o.aval) for o in outs]
+    if rule == FORWARD_SAVING:
+        _refuse_residual_tangents(op, layout)
+    dxs = [_compat.instantiate_zeros(tangents[i]) for i in diff]
+    inline = op.traceable(JVP, primals)
+    inline = inline if "vjp" not in op.spec.rules else None  # else @vjp serves reverse mode
+    if keeps is None:
+        # Bound before the forward so that a missing @jvp fails before any rule runs.
+        tangent_outs = _tangents(eqn, inline, operands, dxs, ())
+        outs = bind(eqn.with_rule(FORWARD), operands)
+        extra_outs = []
+    else:
+        if inline is None and "jvp" not in op.spec.rules and \
+                not any(isinstance(d, _compat.Tracer) for d in dxs):
+            raise missing_rule(op.spec, JVP)  # eager forward mode: before the forward runs
+        # One forward: its outputs and residuals are the jvp's (and so the vjp's) extras.
+        saving = keeps.saved
+        all_outs = bind(eqn.with_rule(FORWARD_SAVING if saving else FORWARD), operands)
+        outs, extra_outs = all_outs[:len(layout.outputs)], all_outs[len(layout.outputs):]
+        extras = (list(outs) if keeps.result else []) + list(extra_outs)
+        tangent_outs = _tangents(eqn, inline, operands, dxs, extras)
+    tangent_iter = iter(tangent_outs)
+    out_tangents = [next(tangent_iter) if f else _compat.float0_zero(o.aval)
+                    for f, o in zip(layout.float_out, outs)]
+    if rule == FORWARD:  # the residuals stay inside the derivative
+        return list(outs), out_tangents
+    # forward_saving (second order): its residuals are integers, with no tangent
+    return list(outs) + list(extra_outs), out_tangents + [
+        _compat.float0_zero(o.aval) for o in extra_outs]
+
+
+def _tangents(eqn, inline, operands, dxs, extras):
+    """The output tangents: the traceable @jvp inlined, or the jvp equation bound."""
+    operands = list(operands) + list(dxs) + list(extras)
+    if inline is not None:  # JAX differentiates and transposes the traceable rule itself
+        return broadcast_vmapped(inline, eqn.batch)(*operands)
+    return bind(eqn.with_rule(JVP), operands)
+
+
+def _refuse_residual_tangents(op, layout) -> None:
+    """Second order through residuals: their derivative is unknown, so never silently zero."""
+    if any(_is_inexact(dtype) for _, dtype in layout.saved):
+        spec = op.spec
+        raise MissingRuleError(
+            f"{spec.name} keeps floating-point residuals ({spec.describe('residuals')}, "
+            f"@residuals), and JAX cannot differentiate what an opaque forward kept: second "
+            f"derivatives of {spec.name} (hessian, jvp of grad, grad of grad) need derivative "
+            f"rules that compute what they need from the inputs or from `result` instead of "
+            f"`saved`, declared traceable=True")
+
+
+def _is_inexact(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.inexact)
+
+
+# ---------------------------------------------------------------------------------------
+# Transposition
+# ---------------------------------------------------------------------------------------
+
+def _fit(ct, aval):
+    """Sums a cotangent over batch dimensions its operand broadcast (had size 1)."""
+    if ct is None or _is_zero(ct) or tuple(ct.shape) == tuple(aval.shape):
+        return ct
+    axes = tuple(i for i, (c, a) in enumerate(zip(ct.shape, aval.shape)) if a == 1 and c != 1)
+    return jnp.sum(ct, axis=axes, keepdims=True)
+
+
+def _operand_aval(x):
+    return x.aval if _compat.is_undefined_primal(x) else _compat.get_aval(x)
+
+
+def transpose_rule(cts, *operands, equation):
+    eqn = equation
+    op, rule, wrt, primals, batch = eqn.op, eqn.rule, eqn.wrt, eqn.primals, eqn.batch
+    spec = op.spec
+    layout = eqn.layout
+    n = len(layout.inputs)
+    undefined = [k for k, x in enumerate(operands) if _compat.is_undefined_primal(x)]
+    out_cts = [None] * len(operands)
+    float_cts = [cts[j] for j in range(len(cts))
+                 if rule != FORWARD or layout.float_out[j]]
+    if all(_is_zero(c) for c in float_cts):
+        for k in undefined:
+            out_cts[k] = Zero(operands[k].aval)
+        return out_cts
+    float_cts = [_compat.instantiate_zeros(c) for c in float_cts]
+
+    def defined(ks):
+        return [operands[k] for k in ks]
+
+    if rule == FORWARD and spec.linear:
+        lead = [i for i in range(n) if not layout.diff[i]]
+        if any(k in undefined for k in lead):
+            raise ValueError(f"{spec.name}: a nondiff input cannot be transposed")
+        results = bind(eqn.with_rule(TRANSPOSE), defined(lead) + float_cts)
+        for i, r in zip(layout.diff_indices, results):
+            if i in undefined:
+                out_cts[i] = r
+    elif rule == FORWARD and spec.multilinear:
+        if len(undefined) != 1:
+            raise ValueError(
+                f"{spec.name} is multilinear: it is linear in one input at a time, but "
+                f"{len(undefined)} inputs were transposed together"
+            )
+        i = undefined[0]
+        others = [k for k in range(n) if k != i]
+        out_cts[i] = bind(eqn.with_rule(TRANSPOSE_WRT, i), defined(others) + float_cts)[0]
+    elif rule == FORWARD:  # pragma: no cover - JAX only transposes linear equations
+        raise ValueError(f"{spec.name} is not linear; its forward cannot be transposed")
+    elif rule in (JVP, VJP):
+        # jvp and vjp transpose into each other; the extras (outputs, residuals) pass along.
+        other = VJP if rule == JVP else JVP
+        xs = defined(range(n))
+        extras = defined(range(len(operands) - n_extra(spec, layout, rule), len(operands)))
+        args = xs + float_cts + extras
+        inline = op.traceable(other, primals)
+        if inline is not None:
+            results = broadcast_vmapped(inline, batch)(*args)
+        elif other in spec.rules:
+            results = bind(eqn.with_rule(other), args)
+        else:
+            raise missing_rule(spec, other)
+        for k, r in zip(range(n, len(operands)), results):
+            out_cts[k] = r
+    elif rule == TRANSPOSE:
+        lead = [i for i in range(n) if not layout.diff[i]]
+        args = [None] * n
+        for position, i in enumerate(lead):
+            args[i] = operands[position]
+        for i, c in zip(layout.diff_indices, float_cts):
+            args[i] = c
+        results = bind(eqn.with_rule(FORWARD), args)
+        float_results = [r for r, f in zip(results, layout.float_out) if f]
+        for k, r in zip(range(len(lead), len(operands)), float_results):
+            out_cts[k] = r
+    else:  # TRANSPOSE_WRT: multilinear in (other differentiable inputs, cotangents)
+        others = [i for i in range(n) if i != wrt]
+        if len(undefined) > 0 and all(k >= n - 1 for k in undefined):
+            # w.r.t. the cotangents: the forward with input `wrt` set to ct
+            args = [None] * n
+            for position, i in enumerate(others):
+                args[i] = operands[position]
+            args[wrt] = float_cts[0]
+            results = bind(eqn.with_rule(FORWARD), args)
+            float_results = [r for r, f in zip(results, layout.float_out) if f]
+            for k, r in zip(range(n - 1, len(operands)), float_results):
+                if k in undefined:
+                    out_cts[k] = r
+        elif len(undefined) == 1:
+            position = undefined[0]
+            j = others[position]
+            args = [None] * n
+            for p, i in enumerate(others):
+                args[i] = operands[p]
+            args[wrt] = float_cts[0]
+            rest = [args[i] for i in range(n) if i != j]
+            cts_in = [operands[k] for k in range(n - 1, len(operands))]
+            out_cts[position] = bind(eqn.with_rule(TRANSPOSE_WRT, j), rest + cts_in)[0]
+        else:
+            raise ValueError(f"{spec.name}: a multilinear transpose was transposed in "
+                             f"{len(undefined)} operands at once")
+    return [_typed_like(_fit(c, _operand_aval(operands[k])), _operand_aval(operands[k]))
+            if k in undefined else None for k, c in enumerate(out_cts)]
+
+
+def _typed_like(ct, aval):
+    """`ct` with its primal's sharding type (Explicit axes), as JAX requires of cotangents.
+
+    A rule's result is typed by its plan (a transpose knows its operands, not the
+    primal it stands for): where the primal's type says otherwise, reshard to it.
+    """
+    if ct is None or _is_zero(ct) or not _compat.COTANGENTS_TYPED_LIKE_PRIMALS:
+        return ct
+    have = getattr(getattr(ct, "aval", None), "sharding", None)
+    if have is None or getattr(have.mesh, "empty", True) or \
+            not _compat.has_explicit_axes(have.mesh):
+        return ct
+    want = getattr(aval, "sharding", None)
+    if want is None or getattr(want.mesh, "empty", True):
+        # A primal with no mesh in its type: JAX leaves its cotangent as computed.
+        return ct
+    spec = tuple(want.spec) + (None,) * (len(ct.shape) - len(want.spec))
+    if tuple(have.spec) + (None,) * (len(ct.shape) - len(have.spec)) == spec:
+        return ct
+    # A sharding with its mesh: JAX < 0.9 refuses a bare spec outside jax.set_mesh.
+    return _compat.reshard(ct, _compat.NamedSharding(have.mesh, _compat.P(*spec)))
+
+
+_compat.ad.primitive_jvps[jaxdecl_p] = jvp_rule
+_compat.ad.primitive_transposes[jaxdecl_p] = transpose_rule

@@ -1,0 +1,102 @@
+"""The JAX primitive every jaxdecl op binds: abstract evaluation and eager evaluation.
+
+A single primitive, ``jaxdecl_call`` (:data:`jaxdecl._op.equation.jaxdecl_p`),
+stands for every rule of every op; its one parameter, ``equation``, is an
+:class:`~jaxdecl._op.equation.Equation` saying which. This module gives it its
+types (abstract evaluation, shardings included) and its eager evaluation, and
+registers the lowering of :mod:`jaxdecl._transforms.lowering`. Differentiation and
+batching rules live in :mod:`jaxdecl._transforms.autodiff` and :mod:`jaxdecl._transforms.batching`,
+which register themselves on the same primitive.
+
+Example:
+    >>> import jax, jax.numpy as jnp, jaxdecl as jd
+    >>> class Neg(jd.Primitive):
+    ...     @jd.abstract
+    ...     def shapes(self, x):
+    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    ...     @jd.forward
+    ...     def apply(self, x):
+    ...         return -x
+    >>> str(jax.make_jaxpr(Neg())(jnp.ones(2))).count("jaxdecl_call")
+    1
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from jax.core import ShapedArray
+
+from .. import _compat
+from .._op.equation import jaxdecl_p
+from .._sharded import plan as _plan
+from .._sharded import strategy as _strategy
+from .._sharded.strategy import Strategy
+from . import eager as _eager
+from . import lowering as _lowering
+from .lowering import broadcast_vmapped, mesh_of
+
+
+def _impl(*args, equation):
+    eqn = equation
+    """Eager evaluation (e.g. inside an un-jitted jax.jvp), through the shared executable."""
+    traceable = eqn.traceable()
+    if traceable is not None:
+        return broadcast_vmapped(traceable, eqn.batch)(*args)
+    eqn.user_rule()  # raises MissingRuleError before anything runs
+    if _eager.spans_devices(args):
+        return list(_eager.run_sharded(eqn, args))
+    kernel, pin = eqn.kernel(tuple(tuple(np.shape(x)) for x in args))
+    results = _eager.run(_eager.Call(kernel, eqn.out_avals(), single=False), args)
+    del pin  # held until here: the kernel's op stays alive for the call
+    return list(results)
+
+
+def _abstract_eval(*avals, equation):
+    eqn = equation
+    io = eqn.io
+    if len(avals) != len(io.in_names):  # pragma: no cover - internal invariant
+        raise ValueError(f"{eqn}: got {len(avals)} operands, expected {len(io.in_names)}")
+    shapes = eqn.out_avals()
+    mesh = mesh_of(avals)
+    if mesh is None:
+        return [ShapedArray(shape, dtype) for shape, dtype in shapes]
+    # Inside shard_map (over all mesh axes or some) results vary over the manual
+    # axes as the operands do.
+    varying = _compat.vma_of(jaxdecl_p.name, avals)
+
+    def typed(result_specs):
+        return [_compat.sharded_aval(shape, dtype, mesh, spec, varying)
+                for (shape, dtype), spec in zip(shapes, result_specs)]
+
+    def whole():
+        # Unsplit, on the operands' mesh, as JAX types its own ops' results: a
+        # type without the mesh would lose it for what follows (under vmap of a
+        # split batch dim, a later transpose re-adds the batch's mesh axis to it).
+        return typed([(None,) * len(shape) for shape, _ in shapes])
+
+    specs = [_plan.spec_of(a) for a in avals]
+    if _compat.all_axes_manual(mesh) or not any(any(s) for s in specs):
+        return whole()
+    # The types carry shardings (Explicit axes): the results' follow from the
+    # strategy the lowering will take, and its plan.
+    strategy = _strategy.choose(_strategy.facts(
+        devices=math.prod(dict(mesh.shape).values()), declared=eqn.declared,
+        explicit=_compat.has_explicit_axes(mesh)))
+    shapes_in = tuple(tuple(a.shape) for a in avals)
+    if strategy is Strategy.DIRECT:
+        # (an op without a declaration, on a JAX that cannot run it once: every
+        # device runs it on gathered inputs, and keeps its slice of each result)
+        p = _plan.whole_plan(eqn)
+    else:
+        factors = eqn.factors(shapes_in)
+        p = _plan.plan_for(eqn, factors, specs, dict(mesh.shape), explicit=True)
+    meshless = {i for i, a in enumerate(avals) if mesh_of([a]) is None}
+    return typed(_plan.result_specs(eqn, p, specs, shapes_in, meshless))
+
+
+jaxdecl_p.def_impl(_impl)
+_compat.requires_devices_when_lowering(jaxdecl_p)
+jaxdecl_p.def_abstract_eval(_abstract_eval)
+_compat.mlir.register_lowering(jaxdecl_p, _lowering.lower, platform="cpu")
