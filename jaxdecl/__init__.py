@@ -26,20 +26,22 @@ from ._check import check
 from ._declare import Primitive, PrimitiveMeta, primitive
 from ._dtypes import SUPPORTED as _SUPPORTED
 from ._errors import BufferEscapeError, DeclarationError, ExportError, MissingRuleError, RuleError
-from ._host import registry as _runtime
+from ._host import registry as _registry
 from ._spec.cfunction import CFunction, cfunction, include_dir
 from ._spec.rules import abstract, adjoint, batch, forward, jvp, residuals, sharding, transpose, vjp
 from ._spec.sharding import ShardingRule
+
 # Importing them registers their rules on the primitive.
 from ._transforms import autodiff as _autodiff  # noqa: F401
 from ._transforms import batching as _batching  # noqa: F401
 from ._transforms import primitive as _primitive  # noqa: F401
+from ._transforms import recipes as _recipes
 from ._transforms.recipes import disabled_checks
 from ._version import __version__ as __version__
 
 # The FFI targets exist from import on: a process that loads a saved program
 # before it calls any op finds jaxdecl's handlers (no backend is started).
-_runtime.setup_dispatcher()
+_registry.set_up(resolver=_recipes.resolve)
 
 #: The dtypes an op accepts and produces, by NumPy name (bool, signed and
 #: unsigned integers of 8 to 64 bits, float16, bfloat16 from ``ml_dtypes``,

@@ -39,15 +39,15 @@ Who owns what (an arrow is a strong reference; ``~>`` a weak one)::
   key names the ops it splits (see :mod:`jaxdecl._transforms.lowering`).
 
 Example:
-    >>> from jaxdecl._host import _dispatch, registry as _runtime
+    >>> from jaxdecl._host import registry
     >>> from jaxdecl._host.kernels import HostKernel
     >>> def kernel(ins, outs, eager):
     ...     outs[0][...] = 2 * ins[0]
-    >>> registered = _runtime.register((1, 2), "Double.apply (@forward)",
+    >>> registered = registry.register((1, 2), "Double.apply (@forward)",
     ...                                HostKernel(kernel, on_escape=None), instance_ref=None)
     >>> slot = registered.slot
     >>> del registered  # the last reference: the registration goes with it
-    >>> _dispatch.release_kernel(slot)  # nothing left to release
+    >>> registry.release_kernel(slot)  # nothing left to release
     False
 """
 
@@ -63,33 +63,56 @@ import numpy as np
 
 from .. import _compat, _dtypes
 from .._spec.cfunction import CFunction
-from . import _dispatch
 
-_DISPATCHER_READY = False
+try:
+    from ._dispatch import (
+        call_site_type,
+        element_types,
+        register_c_kernel,
+        register_kernel,
+        registrations,
+        release_kernel,
+        set_collect,
+        set_dtype,
+        set_resolver,
+        set_worker_guard,
+    )
+except ImportError as error:  # a source tree whose extension was never built
+    raise ImportError(
+        f"jaxdecl's compiled extension (jaxdecl._host._dispatch, built from csrc/) is not "
+        f"built or does not load ({error}): run `pip install -e .` in the source tree, or "
+        f"install jaxdecl with `pip install jaxdecl`") from None
+
+_SET_UP = False
 
 
-def setup_dispatcher() -> None:
-    """Teaches the dispatcher NumPy's dtypes and registers the FFI targets, once.
+def set_up(resolver) -> None:
+    """Configures the dispatcher, once: the one place that does.
 
-    Run at ``import jaxdecl``, so that a process that loads a saved program
-    before it creates any op finds the handlers. It starts no backend (a
-    program may still call ``jax.distributed.initialize`` or set the device
+    Teaches it NumPy's dtypes, the transfer guard of XLA's worker threads, the
+    stale-reference hook of its escape check and `resolver` (which rebuilds a
+    compiled call's kernel from its recipe, see
+    :func:`jaxdecl._transforms.recipes.resolve`), and registers its FFI
+    targets. ``import jaxdecl`` runs it, so that a process that loads a saved
+    program before it creates any op finds the handlers. It starts no backend
+    (a program may still call ``jax.distributed.initialize`` or set the device
     count after importing jaxdecl).
     """
-    global _DISPATCHER_READY
-    if _DISPATCHER_READY:
+    global _SET_UP
+    if _SET_UP:
         return
-    for name, code in _dispatch.element_types().items():
-        _dispatch.set_dtype(code, _dtypes.numpy_dtype(name))
-    _dispatch.set_worker_guard(*_compat.worker_transfer_guard())
-    _dispatch.set_collect(_release_stale_references)
+    for name, code in element_types().items():
+        set_dtype(code, _dtypes.numpy_dtype(name))
+    set_worker_guard(*_compat.worker_transfer_guard())
+    set_collect(_release_stale_references)
+    set_resolver(resolver)
     # The state type first (registered at once, not queued behind the handlers
     # for the CPU client): the compiled target's instantiate stage creates it.
-    _compat.register_ffi_state_type("jaxdecl_call_site", _dispatch.call_site_type())
-    for target, handler in _dispatch.registrations().items():
+    _compat.register_ffi_state_type("jaxdecl_call_site", call_site_type())
+    for target, handler in registrations().items():
         jax.ffi.register_ffi_target(target, handler, platform="cpu")
     _compat.register_batch_partitionable(SPLIT_TARGET)
-    _DISPATCHER_READY = True
+    _SET_UP = True
 
 
 def _release_stale_references() -> None:
@@ -179,9 +202,10 @@ class Kernel:
         raise TypeError("a jaxdecl kernel is a process-local registration; it cannot be pickled")
 
     def __del__(self):
-        release = getattr(_dispatch, "release_kernel", None)  # None at interpreter exit
-        if release is not None:
-            release(self.slot)
+        try:
+            release_kernel(self.slot)
+        except (NameError, TypeError):  # at interpreter exit, the module is torn down
+            pass
 
     def __repr__(self) -> str:
         return f"<jaxdecl kernel {self.name} slot {self.slot}>"
@@ -206,17 +230,16 @@ class KeepAlive:
 
 
 def _unpickled_keepalive() -> KeepAlive:
-    """A loaded executable's keep-alive: readies the dispatcher before XLA loads it."""
-    setup_dispatcher()
+    """A loaded executable's keep-alive (importing this module imported jaxdecl, whose
+    set-up registered the handlers before XLA loads the executable)."""
     return KeepAlive(None, None)
 
 
 def register(fingerprint: tuple, name: str, host, instance_ref) -> Kernel:
     """Registers a :class:`~jaxdecl._host.kernels.HostKernel`; it stays registered while
     the returned Kernel lives."""
-    setup_dispatcher()
     hi, lo = fingerprint
-    slot = _dispatch.register_kernel(hi, lo, name, host.call, host.on_escape, instance_ref,
+    slot = register_kernel(hi, lo, name, host.call, host.on_escape, instance_ref,
                                      host.direct, host.on_failure, host.rows)
     return Kernel(slot, fingerprint, name, instance_ref)
 
@@ -230,8 +253,7 @@ def register_c(fingerprint: tuple, name: str, function: CFunction, *, operands=(
     `conj_from`: for an adjoint rule, the first operand conjugated (see
     :func:`jaxdecl._host.kernels.transpose_from_adjoint`), else -1.
     """
-    setup_dispatcher()
     hi, lo = fingerprint
-    slot = _dispatch.register_c_kernel(hi, lo, name, function.address, function.keepalive,
+    slot = register_c_kernel(hi, lo, name, function.address, function.keepalive,
                                        operands, rows, conj_from)
     return Kernel(slot, fingerprint, name, None)

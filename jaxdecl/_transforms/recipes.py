@@ -42,7 +42,6 @@ import numpy as np
 
 from .. import _dtypes
 from .._errors import ExportError
-from .._host import _dispatch
 from .._host.registry import SPLIT_TARGET, TARGET
 from .._op.equation import Equation
 from .._op.handle import BoundOp, handle_of
@@ -427,4 +426,3 @@ def disabled_checks() -> list:
     return [export.DisabledSafetyCheck.custom_call(t) for t in (TARGET, SPLIT_TARGET)]
 
 
-_dispatch.set_resolver(resolve)
