@@ -441,7 +441,7 @@ print("vmap", jax.vmap(Debugged())(jnp.ones((2, 3))).tolist())
 """
 
 
-def test_rule_can_be_debugged_with_breakpoint_at_a_prompt():
+def test_rule_can_be_debugged_with_breakpoint_at_a_prompt(tmp_path):
     # A user's session: breakpoint() in a rule, `p x` and `c` typed at pdb's prompt.
     import subprocess
     import sys
@@ -450,8 +450,9 @@ def test_rule_can_be_debugged_with_breakpoint_at_a_prompt():
 
     env = subprocess_env()
     env.pop("PYTHONBREAKPOINT", None)
+    # (run outside the checkout, as a user's script: `import jaxdecl` is the installed one)
     done = subprocess.run([sys.executable, "-c", _BREAKPOINT], input="p x\nc\n" * 4,
-                          capture_output=True, text=True, timeout=300, env=env)
+                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     # `p x` printed the rule's input at each stop: twice whole, once per row of the batch.
     assert done.stdout.count("(Pdb) array([0., 1., 2.], dtype=float32)") == 2, done.stdout
