@@ -8,7 +8,7 @@ import numpy as np
 from ._call import flatten_inputs
 from ._errors import RuleError
 from ._host import structure as _structure
-from ._host.residuals import settle
+from ._host.keyword_rules import settle
 from ._op.equation import Equation, bind
 from ._op.handle import BoundOp, handle_of, spec_of
 from ._spec import layout as _layout

@@ -1,200 +1,21 @@
-"""Declaring a primitive: the op's spec, the metaclass and ``@jd.primitive``.
+"""Declaring a primitive: ``jd.Primitive``, its metaclass and ``@jd.primitive``.
 
 A class becomes a jaxdecl primitive by marking methods with the decorators of
-:mod:`jaxdecl._spec.rules`. The marks are collected into an :class:`OpSpec` when
-the class is created, and a misdeclared class is rejected there, naming the
-class and the method, long before anything is traced.
+:mod:`jaxdecl._spec.rules`. The marks are collected into an
+:class:`~jaxdecl._spec.declaration.OpSpec` when the class is created
+(:func:`~jaxdecl._spec.declaration.build_spec`), and a misdeclared class is
+rejected there, naming the class and the method, long before anything is
+traced. Calling an instance is :func:`jaxdecl._call.apply_op`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from ._call import apply_op
 from ._errors import DeclarationError
-from ._host import residuals as _residuals
-from ._op.handle import spec_of  # noqa: F401 - spec_of re-exported
-from ._spec import signatures as _signatures
-from ._spec.cfunction import CFunction
-from ._spec.rules import Rule, collect_rules, rule_of
-from ._spec.sharding import ShardingRule, from_options
-
-BATCH_MODES = ("loop", "vectorized")
-
-
-@dataclasses.dataclass(frozen=True)
-class OpSpec:
-    """Everything jaxdecl knows about a primitive class, collected once."""
-
-    name: str
-    params: tuple[str, ...]  # input names, from @forward's signature
-    rules: dict  # kind -> Rule (transpose: only the linear one)
-    transposes_wrt: dict  # multilinear: input name -> Rule
-    linear: bool
-    multilinear: bool
-    nondiff: frozenset
-    batch_mode: str
-    sharding: ShardingRule | None = None  # from the class options (else maybe @sharding)
-    keeps: _residuals.Keeps | None = None  # residuals and result= (None: no rule uses them)
-
-    def rule(self, kind: str) -> Rule | None:
-        return self.rules.get(kind)
-
-    def describe(self, kind: str) -> str:
-        """`Class.method` for a rule, for messages."""
-        rule = self.rules.get(kind)
-        return f"{self.name}.{rule.name}" if rule else f"{self.name} (@{kind})"
-
-
-# The options that make up a sharding declaration: a subclass that declares
-# sharding anew replaces all of them (replicate=, reduce= and residuals= name
-# the factors of the parent's rule).
-_SHARDING_OPTIONS = ("sharding", "replicate", "reduce", "residuals")
-_OPTIONS = ("linear", "multilinear", "nondiff", "batch") + _SHARDING_OPTIONS
-
-
-def build_spec(cls, options: dict[str, Any]) -> OpSpec:
-    """Collects and validates the rules of `cls`; raises DeclarationError."""
-    name = cls.__name__
-    unknown = set(options) - set(_OPTIONS)
-    if unknown:
-        raise DeclarationError(
-            f"{name}: unknown option(s) {sorted(unknown)}; jaxdecl options are {list(_OPTIONS)}"
-        )
-    linear = bool(options.get("linear", False))
-    multilinear = bool(options.get("multilinear", False))
-    batch_mode = options.get("batch", "loop")
-    nondiff = options.get("nondiff", ())
-    if isinstance(nondiff, str):
-        nondiff = (nondiff,)
-    nondiff = frozenset(nondiff)
-    if linear and multilinear:
-        raise DeclarationError(f"{name}: choose one of linear=True and multilinear=True")
-    if batch_mode not in BATCH_MODES:
-        raise DeclarationError(
-            f"{name}: batch={batch_mode!r} is not one of {BATCH_MODES}"
-        )
-
-    rules: dict[str, Rule] = {}
-    transposes_wrt: dict[str, Rule] = {}
-    for rule in collect_rules(cls):
-        if rule.kind == "transpose" and rule.wrt is not None:
-            if rule.wrt in transposes_wrt:
-                raise DeclarationError(
-                    f"{name}: two @transpose(wrt={rule.wrt!r}) methods, "
-                    f"{transposes_wrt[rule.wrt].name} and {rule.name}"
-                )
-            transposes_wrt[rule.wrt] = rule
-            continue
-        if rule.kind in rules:
-            raise DeclarationError(
-                f"{name}: two @{rule.kind} methods, {rules[rule.kind].name} and {rule.name}; "
-                f"keep one"
-            )
-        rules[rule.kind] = rule
-
-    for rule in rules.values():
-        if isinstance(rule.function, CFunction) and rule.kind in ("abstract", "batch",
-                                                                  "residuals"):
-            raise DeclarationError(f"{name}: @{rule.kind} must be a Python method, not a C kernel")
-    if "sharding" in rules and isinstance(rules["sharding"].function, CFunction):
-        raise DeclarationError(f"{name}: @sharding must be a Python method, not a C kernel")
-    for kind in ("forward", "abstract"):
-        if kind not in rules:
-            raise DeclarationError(
-                f"{name} has no @jd.{kind} method; every primitive needs "
-                + ("`@jd.forward def apply(self, ...)`" if kind == "forward"
-                   else "`@jd.abstract def shapes(self, ...)` returning jax.ShapeDtypeStruct(s)")
-            )
-    # The inputs' names come from @abstract (a C kernel's @forward has none);
-    # @forward and @sharding must name the same ones.
-    params = _signatures.op_inputs(name, rules, transposes_wrt)
-    for input_name in nondiff:
-        if input_name not in params:
-            raise DeclarationError(
-                f"{name}: nondiff names {input_name!r}, which is not an input of "
-                f"{name}.{rules['forward'].name}{params}"
-            )
-
-    has_transpose = "transpose" in rules or "adjoint" in rules
-    if linear:
-        if "transpose" in rules and "adjoint" in rules:
-            raise DeclarationError(
-                f"{name}: give @transpose or @adjoint, not both "
-                f"({rules['transpose'].name}, {rules['adjoint'].name})"
-            )
-        if not has_transpose:
-            raise DeclarationError(
-                f"{name} is declared linear=True but has no @jd.transpose (or @jd.adjoint) method"
-            )
-        for kind in ("jvp", "vjp"):
-            if kind in rules:
-                raise DeclarationError(
-                    f"{name}.{rules[kind].name}: a linear=True op derives @{kind} from @forward "
-                    f"and @transpose; remove it"
-                )
-    elif has_transpose:
-        method = rules.get("transpose") or rules.get("adjoint")
-        raise DeclarationError(
-            f"{name}.{method.name}: @{method.kind} needs a linear op; declare the class with "
-            f"linear=True"
-            + (" (or multilinear=True with @transpose(wrt=...))" if not multilinear else
-               "; a multilinear op takes one @transpose(wrt=...) per input instead")
-        )
-    if transposes_wrt and not multilinear:
-        rule = next(iter(transposes_wrt.values()))
-        raise DeclarationError(
-            f"{name}.{rule.name}: @transpose(wrt=...) needs multilinear=True on the class"
-        )
-    if multilinear:
-        for kind in ("jvp", "vjp"):
-            if kind in rules:
-                raise DeclarationError(
-                    f"{name}.{rules[kind].name}: a multilinear=True op derives @{kind} from "
-                    f"@forward and its @transpose(wrt=...) rules; remove it"
-                )
-        for wrt, rule in transposes_wrt.items():
-            if wrt not in params:
-                raise DeclarationError(
-                    f"{name}.{rule.name}: @transpose(wrt={wrt!r}) names no input of {params}"
-                )
-            if wrt in nondiff:
-                raise DeclarationError(
-                    f"{name}.{rule.name}: @transpose(wrt={wrt!r}) names a nondiff input"
-                )
-        missing = [p for p in params if p not in nondiff and p not in transposes_wrt]
-        if missing:
-            raise DeclarationError(
-                f"{name} is multilinear but has no @jd.transpose(wrt=...) for input(s) "
-                f"{missing}; add one per differentiable input, or list integer inputs in nondiff="
-            )
-    for rule in rules.values():
-        if rule.traceable and rule.zero_copy:
-            raise DeclarationError(
-                f"{name}.{rule.name}: a traceable rule returns JAX values; it cannot take `out`"
-            )
-    if "batch" in rules and rules["batch"].zero_copy:
-        raise DeclarationError(f"{name}.{rules['batch'].name}: @batch rules cannot take `out`")
-    declared = from_options(name, options, params)
-    if declared is not None and "sharding" in rules:
-        raise DeclarationError(
-            f"{name}: give sharding= or a @jd.sharding method ({rules['sharding'].name}), not "
-            f"both (a subclass removes an inherited method with `{rules['sharding'].name} = "
-            f"None`)")
-    if "sharding" in rules and rules["sharding"].zero_copy:
-        raise DeclarationError(f"{name}.{rules['sharding'].name}: @sharding cannot take `out`")
-    _signatures.check_rules(name, rules, transposes_wrt, params, nondiff)
-
-    keeps = _residuals.declare(name, rules, transposes_wrt, params, linear or multilinear,
-                               _signatures.method_inputs)
-
-    return OpSpec(
-        name=name, params=params, rules=rules, transposes_wrt=transposes_wrt, linear=linear,
-        multilinear=multilinear, nondiff=nondiff, batch_mode=batch_mode, sharding=declared,
-        keeps=keeps,
-    )
-
+from ._spec.declaration import SHARDING_OPTIONS, build_spec
+from ._spec.rules import rule_of
 
 #: ``op(*args, **kwargs)``: the primitive applied to JAX arrays, NumPy arrays or Python
 #: scalars (no wrapper frame: this is on the path of every eager call).
@@ -320,7 +141,7 @@ class PrimitiveMeta(type):
         if "sharding" in options or any(
                 getattr(rule_of(value), "kind", None) == "sharding"
                 for value in namespace.values()):
-            for key in _SHARDING_OPTIONS:
+            for key in SHARDING_OPTIONS:
                 inherited.pop(key, None)
         inherited.update(options)
         cls.__jaxdecl_options__ = inherited

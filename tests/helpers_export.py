@@ -110,7 +110,6 @@ def load_saved():
     their jax.export artifacts where this JAX reads version 11 artifacts (0.10 and later),
     their serialized executables only on that very jaxlib."""
     import jaxlib
-
     import ops_saved  # noqa: F401 - the user's module: the only import a saved program needs
     from jax.experimental import serialize_executable
 

@@ -8,8 +8,7 @@ import pytest
 from conftest import tol
 
 import jaxdecl as jd
-from jaxdecl._declare import spec_of
-from jaxdecl._op.handle import handle_of
+from jaxdecl._op.handle import handle_of, spec_of
 
 
 def _same(x):

@@ -52,7 +52,7 @@ def test_help_lists_every_decorator_and_class_option(obj):
     for option in ["linear=True", "multilinear=True", "nondiff=", 'batch="loop"',
                    'batch="vectorized"', "sharding=", "replicate=", "reduce=", "residuals="]:
         assert f"``{option}" in text, option
-    from jaxdecl._declare import _OPTIONS
+    from jaxdecl._spec.declaration import OPTIONS as _OPTIONS
     from jaxdecl._spec.rules import RULE_KINDS
 
     assert set(RULE_KINDS) == set(decorators)  # a new decorator must be documented here

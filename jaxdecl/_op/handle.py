@@ -46,7 +46,7 @@ from .. import _compat
 from .._errors import missing_rule
 from .._host import kernels as _kernels
 from .._host import registry as _runtime
-from .._host import residuals as _residuals
+from .._host import keyword_rules as _keyword_rules
 from .._host import structure as _structure
 from .._spec import layout as _layout
 from .._spec import sharding as _sharding
@@ -183,14 +183,14 @@ class OpHandle:
         n_lead = len(io.in_names) - sum(self.layout(primals, instance).float_out)
         if isinstance(user.function, CFunction):
             return _runtime.register_c(
-                fingerprint, name, user.function, operands=_residuals.c_operands(io),
+                fingerprint, name, user.function, operands=_keyword_rules.c_operands(io),
                 rows=rows, conj_from=n_lead if user.kind == "adjoint" else -1)
         function, ref = _kernels.weak_binding(user, instance)
         zero_copy = user.zero_copy
         batch_rank = 0 if rows else len(batch)  # a vectorized batch's results may broadcast
         keyworded = bool(io.keywords or io.n_extra)
         if keyworded:  # saved=/result= arguments, or extras the rule leaves out
-            function, zero_copy, io = _residuals.kernel_rule(
+            function, zero_copy, io = _keyword_rules.kernel_rule(
                 function, io, zero_copy, name, 0 if ref is None else 1, batch_rank)
         elif io.structured:
             # The rule takes and returns pytrees; the kernel deals in flat arrays.
@@ -257,7 +257,7 @@ class BoundOp:
         io = self.rule_io(primals, rule, -1)
         context = f"{self.spec.name}.{found.name} (@{found.kind})"
         if io.keywords or io.n_extra:
-            return _residuals.traceable_rule(found.bind(self.instance), io, context)
+            return _keyword_rules.traceable_rule(found.bind(self.instance), io, context)
         return _structure.traceable_rule(found.bind(self.instance), io, context)
 
 

@@ -67,7 +67,7 @@ class CFunction:
             raise ValueError("jd.cfunction: the function pointer is NULL")
         self.keepalive = function if keepalive is None else keepalive
         self.__name__ = name or getattr(function, "__name__", "c_kernel")
-        # The keyword arguments a Python rule would take (see jaxdecl._host.residuals).
+        # The keyword arguments a Python rule would take (see jaxdecl._spec.residuals).
         self.takes = frozenset(k for k, on in (("saved", saved), ("result", result)) if on)
 
     def __repr__(self) -> str:

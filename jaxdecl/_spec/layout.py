@@ -18,7 +18,7 @@ rule                operands                                      results
 
 "Differentiable" means floating or complex and not in an input listed in
 ``nondiff=``; "float" outputs are the floating or complex ones. "Residuals"
-are the leaves of what ``@jd.residuals`` declares (see :mod:`jaxdecl._host.residuals`).
+are the leaves of what ``@jd.residuals`` declares (see :mod:`jaxdecl._spec.residuals`).
 An op whose derivative rules take ``result=`` or ``saved=`` has its ``jvp``
 and ``vjp`` operands followed by *extras*: all output leaves (when some rule
 takes ``result``), then the residuals (when the op declares them). The rules

@@ -41,7 +41,7 @@ from .cfunction import CFunction
 
 #: Keyword-only parameters jaxdecl fills in when a rule declares them: the
 #: zero-copy outputs, and the residuals and forward's result (which rules may
-#: take them is checked by :mod:`jaxdecl._host.residuals`).
+#: take them is checked by :mod:`jaxdecl._spec.residuals`).
 PASSED_BY_KEYWORD = ("out", "saved", "result")
 
 # Rules whose arguments are the op's inputs, named as @abstract names them, and
@@ -184,7 +184,7 @@ def op_inputs(cls_name: str, rules: dict, transposes_wrt: dict) -> tuple:
             f"the op instance to. If {declared[0]!r} is an input, add `self` first: "
             f"{_def(abstract, declared)}; an op without inputs names its only parameter "
             f"`self`")
-    for rule in (forward, rules.get("sharding")):  # (@residuals: see _residuals.declare)
+    for rule in (forward, rules.get("sharding")):  # (@residuals: see residuals.declare)
         found = None if rule is None else signatures.get(id(rule))
         if found is None:
             continue

@@ -11,7 +11,7 @@ derivative, which exists only for traceable rules.
 An op whose rules take ``saved=`` or ``result=`` binds ``forward_saving`` (or
 the plain forward, for ``result`` alone) *before* its ``jvp`` and passes the
 forward's outputs and residuals to the ``jvp``/``vjp`` equations as extras
-(see :mod:`jaxdecl._host.residuals`): one forward per derivative.
+(see :mod:`jaxdecl._spec.residuals`): one forward per derivative.
 """
 
 from __future__ import annotations
