@@ -17,6 +17,7 @@ import pytest
 from conftest import subprocess_env
 
 import jaxdecl as jd
+from jaxdecl._op import configuration as _configuration
 from jaxdecl._op import handle as _op
 from jaxdecl._transforms import recipes as _recipes
 
@@ -50,7 +51,7 @@ VALUES = [
 
 @pytest.mark.parametrize("value", VALUES, ids=repr)
 def test_values_round_trip_exactly(value):
-    back = _recipes.decode(_recipes.encode(value, "Op", "Op.x"))
+    back = _configuration.decode(_configuration.encode(value, "Op", "Op.x"))
     assert type(back) is type(value)
     if isinstance(value, np.ndarray):
         assert back.dtype == value.dtype and back.shape == value.shape
@@ -60,22 +61,22 @@ def test_values_round_trip_exactly(value):
 
 
 def test_jax_arrays_come_back_as_numpy():
-    back = _recipes.decode(_recipes.encode(jnp.arange(3.0), "Op", "Op.x"))
+    back = _configuration.decode(_configuration.encode(jnp.arange(3.0), "Op", "Op.x"))
     assert isinstance(back, np.ndarray) and back.tolist() == [0.0, 1.0, 2.0]
 
 
 @pytest.mark.parametrize("value", [object(), lambda x: x, np.array([object()]), {1: object()}])
 def test_what_has_no_saved_form_is_named(value):
-    with pytest.raises(_recipes.Unsaveable) as caught:
-        _recipes.encode({"inner": value}, "Op", "Op.config")
+    with pytest.raises(_configuration.Unsaveable) as caught:
+        _configuration.encode({"inner": value}, "Op", "Op.config")
     assert caught.value.where.startswith("Op.config[")
 
 
 def test_restoring_never_imports():
-    data = _recipes.encode(Frozen(1, ()), "Op", "Op.x")
+    data = _configuration.encode(Frozen(1, ()), "Op", "Op.x")
     data[1] = "a_module_nobody_imported:Frozen"
     with pytest.raises(_recipes.ExportError, match="import a_module_nobody_imported"):
-        _recipes.decode(data)
+        _configuration.decode(data)
     assert "a_module_nobody_imported" not in sys.modules
 
 

@@ -630,7 +630,7 @@ def test_jit_of_vmap_over_a_sharded_batch(declared):
 # ---------------------------------------------------------------------------------------
 
 def _factors(operands, results, replicate=(), sizes=None):
-    from jaxdecl._spec.sharding import RuleFactors
+    from jaxdecl._spec.factors import RuleFactors
 
     names = {f for t in (*operands, *results) for f in t}
     return RuleFactors(operands=operands, results=results, replicate=frozenset(replicate),

@@ -38,7 +38,7 @@ from __future__ import annotations
 import itertools
 
 from .. import _compat
-from .._spec import sharding as _sharding
+from .._spec import factors as _factors
 from .._spec.layout import primal_leaves
 
 
@@ -130,7 +130,7 @@ class Equation:
         """``(kernel, pin)`` of this equation for operands of `in_shapes` (hold `pin`)."""
         return self.op.kernel(self.rule, self.wrt, self.primals, self.batch, in_shapes)
 
-    def factors(self, operand_shapes: tuple) -> _sharding.RuleFactors:
+    def factors(self, operand_shapes: tuple) -> _factors.RuleFactors:
         """Every dim of every operand and result named by a factor.
 
         A declared op's factors come from its declaration. An op without one
@@ -138,7 +138,7 @@ class Equation:
         elements are independent, so each device may run its own rows.
         """
         if self.declared:
-            return _sharding.rule_factors(self.op.sharding(self.primals), self.layout,
+            return _factors.rule_factors(self.op.sharding(self.primals), self.layout,
                                           self.rule, self.wrt, self.batch, operand_shapes)
         return undeclared_factors(self.batch, operand_shapes,
                                   [s for s, _ in self.out_avals()],
@@ -177,7 +177,7 @@ def undeclared_factors(batch: tuple, operand_shapes, result_shapes, input_shapes
         operands.append(tuple(lead) + whole(shape[len(batch):]))
     results = tuple(batch_factors + whole(shape[len(batch):]) for shape in result_shapes)
     inputs = tuple(whole(shape) for shape in input_shapes)
-    return _sharding.RuleFactors(tuple(operands), results, frozenset(replicate), sizes,
+    return _factors.RuleFactors(tuple(operands), results, frozenset(replicate), sizes,
                                  inputs, batch_factors)
 
 

@@ -45,9 +45,10 @@ import numpy as np
 from .. import _compat
 from .._errors import missing_rule
 from .._host import kernels as _kernels
-from .._host import registry as _runtime
 from .._host import keyword_rules as _keyword_rules
+from .._host import registry as _runtime
 from .._host import structure as _structure
+from .._spec import factors as _factors
 from .._spec import layout as _layout
 from .._spec import sharding as _sharding
 from .._spec import signatures as _signatures
@@ -78,13 +79,13 @@ class OpHandle:
         self._layouts: dict = {}
         self._rule_ios: dict = {}  # (primals, rule, wrt) -> RuleIO, its arity checked
         self._kernels: dict = {}
-        self._shardings: dict = {}  # primals -> _sharding.Resolved or None
+        self._shardings: dict = {}  # primals -> _factors.Resolved or None
         self.declares_sharding = spec.sharding is not None or "sharding" in spec.rules
         self.eager_calls: dict = {}  # primals -> _eager.Call
         self.sharded_calls: dict = {}  # see _eager.sharded_call -> _eager.Call
         self.gather_warned: set = set()  # equations warned about (see _plan.warn_gathers)
         self.split_checked: set = set()  # equations whose split @abstract agrees (lower_split)
-        self.saved = None  # (class path, saved configuration), see _recipes.configuration
+        self.saved = None  # (class path, saved configuration), see _op/configuration.configuration
 
     def __repr__(self) -> str:
         return self.spec.name
@@ -124,7 +125,7 @@ class OpHandle:
             rule = spec.sharding
             if rule is None:
                 rule = _sharding.call_method(spec.rules["sharding"], instance, layout, spec.name)
-            resolved = _sharding.resolve(rule, layout, spec.params, spec.name,
+            resolved = _factors.resolve(rule, layout, spec.params, spec.name,
                                          spec.keeps is not None and spec.keeps.result)
         self._shardings[primals] = resolved
         return resolved

@@ -13,7 +13,7 @@ per device), see :mod:`jaxdecl._sharded.shardmap`.
 Pure functions of shapes, factors and specs: no JAX tracing, no kernels.
 
 Example:
-    >>> from jaxdecl._spec.sharding import RuleFactors
+    >>> from jaxdecl._spec.factors import RuleFactors
     >>> factors = RuleFactors(operands=(("b", "k"), ("k",)), results=(("b",),),
     ...                       replicate=frozenset(), sizes={"b": 8, "k": 4}, inputs=(), batch=())
     >>> p = plan(factors, [("d", None), (None,)], {"d": 2, "e": 2})
@@ -133,7 +133,7 @@ def proposal(factors, axis_sizes: dict) -> list:
     Factors needed whole are never split.
 
     Example:
-        >>> from jaxdecl._spec.sharding import RuleFactors
+        >>> from jaxdecl._spec.factors import RuleFactors
         >>> f = RuleFactors(operands=(("b", "k"), ("k",)), results=(("b",),),
         ...                 replicate=frozenset(), sizes={"b": 8, "k": 6}, inputs=(), batch=())
         >>> proposal(f, {"x": 2, "y": 3})

@@ -1,34 +1,17 @@
-"""Sharding declarations and the factors of every rule derived from them.
+"""Sharding declarations: what an op says about how its dims relate across devices.
 
 An op declares how the dims of its forward's inputs and results relate, in
 the einsum-like factor syntax of ``custom_partitioning``'s ``sharding_rule``:
 ``sharding="b k, k -> b"``. One name per dim; a name is a *factor*. A factor
 is independent (the rules may run on any slice along it) unless listed in
 ``replicate=`` (the rules need it whole) or ``reduce=`` (the rules sum over it:
-partial results are added up across devices).
+partial results are added up across devices). Residuals (``@jd.residuals``)
+take the factors of a ``residuals=`` part, a pytree of factor strings shaped
+like them: ``residuals={"lu": "b n m", "piv": "b n"}``.
 
-This module has one job: from a declaration, a rule kind and the shapes of
-one equation (``primals`` and ``batch``), name the factor of every dim of
-every operand and result of that rule. One declaration covers every rule:
-
-- a tangent of input *i*, or a cotangent of output *j*, has the factors of
-  its primal;
-- a result without a factor that is split elsewhere is a sum over that
-  factor's slices (a ``reduce`` factor of the forward; for a cotangent, the
-  factors its input lacks);
-- dims added by ``vmap`` (the ``batch`` parameter) are fresh independent
-  factors; an operand that broadcasts along one (size 1 there) gets a factor
-  of its own;
-- residuals (``@jd.residuals``) take the factors the declaration's
-  ``residuals=`` part gives them, a pytree of factor strings shaped like the
-  residuals: ``residuals={"lu": "b n m", "piv": "b n"}``. Each device's forward
-  keeps the residuals of its own block, so a residual must have a dim for
-  every factor the rules may split (all but ``replicate`` ones), and a
-  residual dim no input has is a ``replicate`` factor. The forward's outputs
-  that a ``result=`` rule reads keep their declared factors.
-
-Which mesh axes a factor is split over is decided later, by
-:mod:`jaxdecl._sharded.plan` and :mod:`jaxdecl._transforms.lowering`.
+This module parses and checks a declaration (:class:`ShardingRule`, the class
+options, a ``@jd.sharding`` method's result);
+:mod:`jaxdecl._spec.factors` applies it to the shapes of one equation.
 
 Example:
     >>> from jaxdecl._spec.sharding import ShardingRule
@@ -39,13 +22,12 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 from .._errors import DeclarationError, RuleError
 
 _FACTOR = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
-_ELLIPSIS = "..."
+ELLIPSIS = "..."
 
 
 def _names(value, what: str, owner: str) -> tuple:
@@ -66,7 +48,7 @@ def _names(value, what: str, owner: str) -> tuple:
 def _parse_value(text: str, owner: str, rule: str) -> tuple:
     factors = tuple(text.split())
     for position, name in enumerate(factors):
-        if name == _ELLIPSIS:
+        if name == ELLIPSIS:
             if position != 0:
                 raise DeclarationError(
                     f"{owner}: sharding rule {rule!r}: '...' may only stand first "
@@ -75,7 +57,7 @@ def _parse_value(text: str, owner: str, rule: str) -> tuple:
             raise DeclarationError(
                 f"{owner}: sharding rule {rule!r}: {name!r} is not a factor name (a letter, "
                 f"then letters, digits or underscores; '...' for leading dims)")
-    named = [f for f in factors if f != _ELLIPSIS]
+    named = [f for f in factors if f != ELLIPSIS]
     if len(set(named)) != len(named):
         raise DeclarationError(
             f"{owner}: sharding rule {rule!r}: a factor names two dims of one array ({text!r})")
@@ -122,8 +104,8 @@ class ShardingRule:
         self.results = values(right) or ((),)
         self.replicate = _names(replicate, "replicate", owner)
         self.reduce = _names(reduce, "reduce", owner)
-        used_in = set(f for v in self.operands for f in v if f != _ELLIPSIS)
-        used_out = set(f for v in self.results for f in v if f != _ELLIPSIS)
+        used_in = set(f for v in self.operands for f in v if f != ELLIPSIS)
+        used_out = set(f for v in self.results for f in v if f != ELLIPSIS)
         for what, names in (("replicate", self.replicate), ("reduce", self.reduce)):
             for name in names:
                 if name not in used_in | used_out:
@@ -157,7 +139,7 @@ class ShardingRule:
         self.residuals = residuals
         self.residual_tree, self.residual_values = _parse_residuals(
             residuals, used_in, self.replicate, owner, rule)
-        has_ellipsis = [bool(v) and v[0] == _ELLIPSIS for v in self.operands + self.results
+        has_ellipsis = [bool(v) and v[0] == ELLIPSIS for v in self.operands + self.results
                         + tuple(v for _, v in self.residual_values)]
         if any(has_ellipsis) and not all(has_ellipsis):
             raise DeclarationError(
@@ -198,7 +180,7 @@ def _parse_residuals(residuals, used_in: set, replicate: tuple, owner: str, rule
                 f"{owner}: residuals= must hold one factor string per residual, like "
                 f"'b n'; {label} is {text!r}")
         factors = _parse_value(text, owner, f"residuals {label}: {text!r}")
-        named = set(factors) - {_ELLIPSIS}
+        named = set(factors) - {ELLIPSIS}
         new = named - used_in - set(replicate)
         if new:
             raise DeclarationError(
@@ -236,91 +218,6 @@ def check_inputs(rule: ShardingRule, params: tuple, owner: str) -> None:
             f"but the op takes {len(params)} ({', '.join(params)})")
 
 
-@dataclasses.dataclass(frozen=True)
-class Resolved:
-    """A declaration applied to one set of primal shapes: every dim named."""
-
-    inputs: tuple  # per primal input leaf: a factor per dim
-    outputs: tuple  # per forward output leaf: a factor per dim
-    replicate: frozenset
-    sizes: dict  # factor -> size (the whole, per batch element)
-    saved: tuple | None = None  # per residual leaf: a factor per dim (None: not declared)
-    carries_result: bool = False  # jvp/vjp equations carry the outputs (a rule takes result)
-    owner: str = ""  # the class, for messages
-
-
-def resolve(rule: ShardingRule, layout, params: tuple, owner: str,
-            carries_result: bool = False) -> Resolved:
-    """Names every dim of the forward at `layout`; ValueError when ranks or sizes disagree.
-
-    `carries_result`: the op's jvp/vjp equations carry its outputs (a rule takes
-    ``result``), which then take the outputs' factors there.
-    """
-    check_inputs(rule, params, owner)
-    if len(rule.results) != len(layout.out_groups):
-        raise ValueError(
-            f"{owner}: sharding rule {rule.rule!r} describes {len(rule.results)} result(s), but "
-            f"@abstract gives {len(layout.out_groups)}")
-    # A pytree input (output) gives its factors to each of its leaves.
-    out_rules = [None] * len(layout.outputs)
-    for group, value in zip(layout.out_groups, rule.results):
-        for slot in group.slots:
-            out_rules[slot] = value
-    saved_rules = _residual_rules(rule, layout, owner)
-    values = tuple(rule.operands[p] for p in layout.leaf_param) + tuple(out_rules) + \
-        saved_rules
-    labels = [f"input {name!r}" for name in layout.input_names] + list(layout.output_names) + \
-        [f"residual {name}" for name in layout.saved_names[:len(saved_rules)]]
-    shapes = [s for s, _ in layout.inputs] + [s for s, _ in layout.outputs] + \
-        [s for s, _ in layout.saved[:len(saved_rules)]]
-    lead = None
-    named = []
-    for label, value, shape in zip(labels, values, shapes):
-        factors = value
-        if value and value[0] == _ELLIPSIS:
-            n = len(shape) - (len(value) - 1)
-            if n < 0:
-                raise ValueError(
-                    f"{owner}: sharding rule {rule.rule!r} gives {label} at least "
-                    f"{len(value) - 1} dims, but it has shape {shape}")
-            if lead is not None and lead != n:
-                raise ValueError(
-                    f"{owner}: sharding rule {rule.rule!r}: '...' stands for {lead} dims in "
-                    f"one value and {n} in {label} (shape {shape})")
-            lead = n
-            factors = tuple(f"...{k}" for k in range(n)) + value[1:]
-        elif len(value) != len(shape):
-            raise ValueError(
-                f"{owner}: sharding rule {rule.rule!r} gives {label} {len(value)} dim(s) "
-                f"({' '.join(value) or 'a scalar'}), but it has shape {shape}")
-        named.append(tuple(factors))
-    sizes: dict = {}
-    for label, factors, shape in zip(labels, named, shapes):
-        for factor, size in zip(factors, shape):
-            if sizes.setdefault(factor, size) != size:
-                raise ValueError(
-                    f"{owner}: sharding rule {rule.rule!r}: factor {factor!r} has size "
-                    f"{sizes[factor]} in one value but {size} in {label} (shape {shape})")
-    n_in, n_out = len(layout.inputs), len(layout.outputs)
-    return Resolved(tuple(named[:n_in]), tuple(named[n_in:n_in + n_out]),
-                    frozenset(rule.replicate), sizes,
-                    tuple(named[n_in + n_out:]) if saved_rules else None, carries_result,
-                    owner)
-
-
-def _residual_rules(rule: ShardingRule, layout, owner: str) -> tuple:
-    """Per residual leaf, its factors from ``residuals=`` (empty when not declared)."""
-    if rule.residual_tree is None or not layout.saved:
-        return ()
-    tree = layout.saved_group.tree
-    if rule.residual_tree != tree and not (tree is None and len(rule.residual_values) == 1):
-        raise ValueError(
-            f"{owner}: residuals= of sharding rule {rule.rule!r} has the structure "
-            f"{rule.residual_tree}, but @residuals declares {tree}; give one factor string per "
-            f"residual, in the same pytree")
-    return tuple(factors for _, factors in rule.residual_values)
-
-
 def call_method(method, instance, layout, owner: str) -> ShardingRule:
     """Runs a ``@jd.sharding`` method on the inputs as ShapeDtypeStructs."""
     result = method.bind(instance)(*layout.input_structs())
@@ -328,97 +225,3 @@ def call_method(method, instance, layout, owner: str) -> ShardingRule:
         raise RuleError(f"{owner}.{method.name} (@sharding) must return jd.ShardingRule(...), "
                         f"got {type(result).__name__}")
     return result
-
-
-@dataclasses.dataclass(frozen=True)
-class RuleFactors:
-    """The factors of one equation of ``jaxdecl_call``."""
-
-    operands: tuple  # per operand: a factor per dim (batch dims first)
-    results: tuple  # per result: a factor per dim
-    replicate: frozenset
-    sizes: dict  # factor -> whole size
-    inputs: tuple  # per primal input: its factors per batch element (for local primals)
-    batch: tuple  # the factors of the batch dims, outermost first
-
-
-def rule_factors(resolved: Resolved, layout, rule: str, wrt: int, batch: tuple,
-                 operand_shapes: tuple) -> RuleFactors:
-    """Names every dim of every operand and result of `rule` (see the module docstring).
-
-    Example:
-        >>> import jax, numpy as np, jaxdecl as jd
-        >>> from jaxdecl._spec.layout import compute_layout
-        >>> class M(jd.Primitive, sharding="b k, k -> b", reduce=("k",)):
-        ...     @jd.abstract
-        ...     def shapes(self, a, x):
-        ...         return jax.ShapeDtypeStruct(a.shape[:1], a.dtype)
-        ...     @jd.forward
-        ...     def apply(self, a, x):
-        ...         return a @ x
-        >>> f64 = np.dtype("float64")
-        >>> spec = M.__jaxdecl_spec__
-        >>> layout = compute_layout(spec, M(), (((4, 3), f64), ((3,), f64)))
-        >>> resolved = resolve(spec.sharding, layout, ("a", "x"), "M")
-        >>> rule_factors(resolved, layout, "vjp", -1, (), ((4, 3), (3,), (4,))).results
-        (('b', 'k'), ('k',))
-    """
-    n = len(layout.inputs)
-    ins, outs = resolved.inputs, resolved.outputs
-    diff = layout.diff_indices
-    float_outs = tuple(outs[j] for j in layout.float_out_indices)
-    extras = _extra_factors(resolved, layout, rule)
-    if rule == "forward":
-        operands, results = ins, outs
-    elif rule == "forward_saving":
-        operands, results = ins, outs + extras
-    elif rule == "jvp":
-        operands, results = ins + tuple(ins[i] for i in diff) + extras, float_outs
-    elif rule == "vjp":
-        operands, results = ins + float_outs + extras, tuple(ins[i] for i in diff)
-    elif rule == "transpose":
-        operands = tuple(ins[i] for i in range(n) if not layout.diff[i]) + float_outs
-        results = tuple(ins[i] for i in diff)
-    elif rule == "transpose_wrt":
-        operands = tuple(ins[i] for i in range(n) if i != wrt) + float_outs
-        results = (ins[wrt],)
-    else:  # pragma: no cover - internal
-        raise ValueError(f"unknown rule {rule!r}")
-    sizes = dict(resolved.sizes)
-    batch_factors = tuple(f"#vmap{k}" for k in range(len(batch)))
-    sizes.update(zip(batch_factors, batch))
-    with_batch = []
-    for index, (factors, shape) in enumerate(zip(operands, operand_shapes)):
-        lead = []
-        for k, size in enumerate(batch):
-            if shape[k] == size:
-                lead.append(batch_factors[k])
-            else:  # broadcast along this batch dim: a factor of its own
-                own = f"#bcast{index}.{k}"
-                sizes[own] = shape[k]
-                lead.append(own)
-        with_batch.append(tuple(lead) + tuple(factors))
-    results = tuple(batch_factors + tuple(r) for r in results)
-    return RuleFactors(tuple(with_batch), results, resolved.replicate, sizes, ins,
-                       batch_factors)
-
-
-def _extra_factors(resolved: Resolved, layout, rule: str) -> tuple:
-    """Factors of what a rule carries besides its usual operands (see _layout.rule_io).
-
-    ``forward_saving`` results end with the residuals; ``jvp``/``vjp`` operands
-    with the forward's outputs (when a rule takes ``result``), then the residuals.
-    """
-    if rule == "forward_saving":
-        result, saved = False, True
-    elif rule in ("jvp", "vjp"):
-        result, saved = resolved.carries_result, bool(layout.saved)
-    else:
-        return ()
-    if saved and resolved.saved is None:
-        raise ValueError(
-            f"{resolved.owner} keeps residuals {list(layout.saved_names)} (@residuals), but its "
-            f"sharding declaration does not say how they split: add residuals=, a pytree of factor "
-            f"strings shaped like the residuals, beside sharding= (or to jd.ShardingRule), "
-            f"e.g. residuals={{'lu': 'b n m', 'piv': 'b n'}}")
-    return (resolved.outputs if result else ()) + (resolved.saved if saved else ())
