@@ -34,6 +34,7 @@ from ._spec.sharding import ShardingRule
 # Importing them registers their rules on the primitive.
 from ._transforms import autodiff as _autodiff  # noqa: F401
 from ._transforms import batching as _batching  # noqa: F401
+from ._transforms import lowering as _lowering  # noqa: F401
 from ._transforms import primitive as _primitive  # noqa: F401
 from ._transforms import recipes as _recipes
 from ._transforms.recipes import disabled_checks

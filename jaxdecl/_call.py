@@ -31,12 +31,13 @@ import numpy as np
 
 from . import _compat, _dtypes
 from ._host import structure as _structure
-from ._op.equation import Equation, bind
-from ._op.handle import BoundOp, OpHandle, handle_of
-from ._op.identity import check_static
+from ._op.equation import Equation
+from ._op.handle import BoundOp, OpHandle
+from ._op.identity import check_static, handle_of
 from ._spec import layout as _layout
 from ._spec.layout import FORWARD
 from ._transforms import eager as _eager
+from ._transforms.primitive import bind
 
 
 def _as_operand(value, spec, name):
@@ -52,11 +53,13 @@ def _as_operand(value, spec, name):
                 f"Configuration (flags, callables, strings) belongs on the instance, set in "
                 f"__init__ ({error})"
             ) from None
-    _dtypes.check_supported(operand.dtype, f"{spec.name}: input {name}")
+    if operand.dtype not in _SUPPORTED:  # (the message is built only when it is needed)
+        _dtypes.check_supported(operand.dtype, f"{spec.name}: input {name}")
     return operand
 
 
 _ARRAYS = (_compat.Tracer, jax.Array)
+_SUPPORTED = _dtypes.SUPPORTED_DTYPES
 _ArrayImpl, _SingleDeviceSharding = _compat.ArrayImpl, jax.sharding.SingleDeviceSharding
 _LEAVES = (_compat.Tracer, jax.Array, np.ndarray, np.generic, int, float, complex, bool)
 
@@ -104,10 +107,11 @@ def rebuild(groups, single: bool, outs):
 def bind_forward(op: BoundOp, args) -> object:
     """Binds the forward rule on JAX values; returns its result(s) as @abstract declared."""
     operands, primals = flatten_inputs(op.spec, args)
-    layout = op.layout(primals)
-    if op.handle.declares_sharding:
-        op.sharding(primals)  # a declaration that does not fit the inputs fails here, named
-    outs = bind(Equation(op, FORWARD, primals), operands)
+    eqn = Equation(op, FORWARD, primals)
+    layout = eqn.layout
+    if eqn.declared:
+        eqn.sharding()  # a declaration that does not fit the inputs fails here, named
+    outs = bind(eqn, operands)
     if layout.structured:
         return rebuild(layout.out_groups, layout.single_output, outs)
     return outs[0] if layout.single_output else tuple(outs)
@@ -116,15 +120,15 @@ def bind_forward(op: BoundOp, args) -> object:
 def _run_sharded(handle: OpHandle, instance, args):
     """Runs the op now on arguments that span several devices (see _eager.run_sharded)."""
     operands, primals = flatten_inputs(handle.spec, args)
-    op = BoundOp(handle, instance)
-    layout = op.layout(primals)
-    if handle.declares_sharding:  # a declaration that does not fit fails here, named
-        op.sharding(primals)
+    eqn = Equation(BoundOp(handle, instance), FORWARD, primals)
+    layout = eqn.layout
+    if eqn.declared:  # a declaration that does not fit fails here, named
+        eqn.sharding()
     rebuilt = None
     if layout.structured:
         rebuilt = lambda outs, groups=layout.out_groups, single=layout.single_output: \
             rebuild(groups, single, outs)  # noqa: E731
-    return _eager.run_sharded(Equation(op, FORWARD, primals), operands,
+    return _eager.run_sharded(eqn, operands,
                               single=layout.single_output and not layout.structured,
                               rebuild=rebuilt)
 
@@ -143,7 +147,7 @@ def _eager_call(handle: OpHandle, instance, args) -> tuple:
         if handle.declares_sharding:  # a declaration that does not fit fails here, named
             handle.sharding(primals, instance)
         in_shapes = tuple(shape for shape, _ in layout.inputs)
-        kernel, pin = handle.kernel(instance, FORWARD, -1, primals, (), in_shapes)
+        kernel, pin = handle.kernel((FORWARD, -1, primals, ()), in_shapes, instance)
         if layout.structured:
             call = _eager.Call(kernel, layout.outputs, False,
                                rebuild=lambda outs, groups=layout.out_groups,

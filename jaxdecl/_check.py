@@ -9,11 +9,13 @@ from ._call import flatten_inputs
 from ._errors import RuleError
 from ._host import structure as _structure
 from ._host.keyword_rules import settle
-from ._op.equation import Equation, bind
-from ._op.handle import BoundOp, handle_of, spec_of
+from ._op.equation import Equation
+from ._op.handle import BoundOp
+from ._op.identity import handle_of, spec_of
 from ._spec import layout as _layout
 from ._spec.cfunction import CFunction
 from ._spec.layout import FORWARD_SAVING
+from ._transforms.primitive import bind
 
 _DOT_RTOL = {"float16": 3e-2, "bfloat16": 3e-2, "float32": 2e-4, "complex64": 2e-4}
 _FD_RTOL = {"float16": 1e-1, "bfloat16": 1e-1, "float32": 2e-2, "complex64": 2e-2}

@@ -11,7 +11,8 @@ SUPPORTED = (
     "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
 )
 
-_SUPPORTED_DTYPES = frozenset(
+#: The same, as NumPy dtypes.
+SUPPORTED_DTYPES = frozenset(
     np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name) for name in SUPPORTED
 )
 
@@ -31,13 +32,17 @@ def numpy_dtype(name: str) -> np.dtype:
 
 
 def is_supported(dtype) -> bool:
-    return np.dtype(dtype) in _SUPPORTED_DTYPES
+    return np.dtype(dtype) in SUPPORTED_DTYPES
+
+
+#: The supported dtypes that carry tangents: floating and complex ones.
+DIFFERENTIABLE = frozenset(d for d in SUPPORTED_DTYPES
+                           if d == ml_dtypes.bfloat16 or np.issubdtype(d, np.inexact))
 
 
 def is_differentiable(dtype) -> bool:
     """Floating and complex values carry tangents; integers and bools do not."""
-    dtype = np.dtype(dtype)
-    return dtype == ml_dtypes.bfloat16 or np.issubdtype(dtype, np.inexact)
+    return np.dtype(dtype) in DIFFERENTIABLE
 
 
 def check_supported(dtype, what: str) -> None:

@@ -8,7 +8,7 @@ import pytest
 from conftest import tol
 
 import jaxdecl as jd
-from jaxdecl._op.handle import handle_of, spec_of
+from jaxdecl._op.identity import handle_of, spec_of
 
 
 def _same(x):

@@ -212,3 +212,62 @@ def test_a_source_tree_without_the_extension_says_how_to_build_it(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: jaxdecl's compiled extension"), last
     assert "run `pip install -e .`" in last and "circular" not in done.stderr, done.stderr
+
+
+_FIRST_CALL = """
+import collections, os, sys
+import jax, jax.numpy as jnp, numpy as np
+import jaxdecl as jd
+
+class Mul(jd.Primitive):
+    @jd.abstract
+    def shapes(self, x1, x2):
+        return jax.ShapeDtypeStruct(x1.shape, x1.dtype)
+    @jd.forward
+    def apply(self, x1, x2, *, out):
+        np.multiply(x1, x2**2, out=out)
+    @jd.jvp
+    def push(self, x1, x2, dx1, dx2):
+        return x2**2 * dx1 + 2 * x1 * x2 * dx2
+    @jd.vjp
+    def pull(self, x1, x2, ct):
+        return x2**2 * ct, 2 * x1 * x2 * ct
+
+package = os.path.dirname(jd.__file__)
+moves = collections.Counter()
+
+def module(frame):
+    name = frame.f_code.co_filename
+    return os.path.relpath(name, package) if name.startswith(package) else None
+
+def profile(frame, event, arg):
+    if event != "call" or module(frame) is None:
+        return
+    caller = frame.f_back  # the nearest jaxdecl frame that led here (JAX's in between)
+    while caller is not None and module(caller) is None:
+        caller = caller.f_back
+    if caller is not None and module(caller) != module(frame):
+        moves[(module(caller), module(frame))] += 1
+
+f = jax.jit(jax.grad(lambda a, b: jax.vmap(Mul())(a, b).sum()))
+sys.setprofile(profile)
+jax.block_until_ready(f(jnp.ones((4, 3)), jnp.ones((4, 3))))
+sys.setprofile(None)
+print(sum(moves.values()), dict(moves.most_common(5)))
+"""
+
+
+def test_a_first_traced_call_crosses_few_module_boundaries(tmp_path):
+    """The first call of an op under jit(grad(vmap)): the moves between jaxdecl's modules
+    (a call into another module, JAX's frames in between skipped). 106 in the flat
+    layout; one object (the Equation) that carries what every stage reads keeps it at 53."""
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    done = subprocess.run([sys.executable, "-c", _FIRST_CALL], capture_output=True,
+                          text=True, timeout=300, env=subprocess_env(), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    count = int(done.stdout.split()[0])
+    assert count <= 53, done.stdout

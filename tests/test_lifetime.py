@@ -21,7 +21,7 @@ from ops import Offset
 import jaxdecl as jd
 from jaxdecl._host import _dispatch
 from jaxdecl._op import fingerprint as _fingerprint
-from jaxdecl._op.handle import handle_of
+from jaxdecl._op.identity import handle_of
 from jaxdecl._transforms import eager as _eager
 
 HELPER = os.path.join(os.path.dirname(__file__), "helpers_subprocess.py")

@@ -543,7 +543,7 @@ def test_non_array_leaf_names_the_argument(leaf):
 
 def test_plain_arrays_still_take_the_flat_path():
     """Ops over arrays only never build pytree wrappers (the fast path stays as it was)."""
-    from jaxdecl._op.handle import handle_of
+    from jaxdecl._op.identity import handle_of
 
     op = Nearest()
     op(QUERIES)

@@ -93,16 +93,12 @@ def vma_of(name: str, avals) -> frozenset:
     return _core.standard_vma_rule(name, *avals)
 
 
-def insert_reshards(args) -> list:
-    """Makes the operands' varying manual axes agree before a bind (pvary where needed).
-
-    The inserted ``pvary`` transposes to a ``psum``: the gradient of an input
-    replicated across ``shard_map`` sums over the devices.
-    """
-    insert = getattr(_core, "auto_insert_reshard", None)
-    if insert is None:  # JAX < 0.10
-        insert = _core.standard_insert_pvary
-    return list(insert(*args))
+#: ``insert_reshards(*operands)``: the operands with their varying manual axes made
+#: to agree before a bind (pvary where needed). The inserted ``pvary`` transposes to
+#: a ``psum``: the gradient of an input replicated across ``shard_map`` sums over the
+#: devices. JAX's own function (``standard_insert_pvary`` before JAX 0.10), unwrapped:
+#: every bind calls it.
+insert_reshards = getattr(_core, "auto_insert_reshard", None) or _core.standard_insert_pvary
 
 
 def sharded_aval(shape, dtype, mesh, spec, varying=frozenset()):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _compat, _errors
-from .._spec.layout import RuleIO
+from .._spec.rule_io import RuleIO
 
 _NESTED_JAX_HINT = (
     "it called JAX on one of XLA's worker threads (where the rule runs for large or "

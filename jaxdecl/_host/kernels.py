@@ -20,7 +20,7 @@ comparison and one copy per output.
 Example:
     >>> import numpy as np
     >>> from jaxdecl._host.kernels import make_kernel
-    >>> from jaxdecl._spec.layout import RuleIO
+    >>> from jaxdecl._spec.rule_io import RuleIO
     >>> io = RuleIO(in_names=("x",), out_names=("out",), out_avals=(), single_result=True,
     ...             real_results=(False,))
     >>> host = make_kernel(lambda x: 2 * x, zero_copy=False, io=io,
@@ -45,7 +45,7 @@ import numpy as np
 from .. import _errors
 from .._errors import BufferEscapeError, RuleError
 from .._spec.cfunction import CFunction
-from .._spec.layout import RuleIO
+from .._spec.rule_io import RuleIO
 from . import failures as _failures
 
 

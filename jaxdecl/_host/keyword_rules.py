@@ -11,7 +11,7 @@ says which operands the dispatcher passes it.
 
 Example:
     >>> from jaxdecl._host.keyword_rules import c_operands
-    >>> from jaxdecl._spec.layout import RuleIO
+    >>> from jaxdecl._spec.rule_io import RuleIO
     >>> c_operands(RuleIO(in_names=("x", "ct"), out_names=("ct_x",), out_avals=(),
     ...                   single_result=True, real_results=(False,)))
     ()
@@ -26,7 +26,7 @@ import numpy as np
 
 from .. import _compat
 from .._errors import RuleError
-from .._spec.layout import OPERANDS, RESULTS, RuleIO
+from .._spec.rule_io import OPERANDS, RESULTS, RuleIO
 from . import kernels as _kernels
 from . import structure as _structure
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from .. import _compat
 from .._errors import RuleError
-from .._spec.layout import RuleIO
+from .._spec.rule_io import RuleIO
 
 _tree = jax.tree_util
 

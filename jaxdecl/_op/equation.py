@@ -36,29 +36,77 @@ Example:
 from __future__ import annotations
 
 import itertools
+from typing import Protocol
 
 from .. import _compat
 from .._spec import factors as _factors
-from .._spec.layout import primal_leaves
+from .._spec.layout import Layout, primal_leaves
+from .._spec.rule_io import RuleIO
+
+
+class EquationOp(Protocol):
+    """What an equation needs of its op (``BoundOp``, :mod:`jaxdecl._op.handle`): the
+    handle of its configuration, the instance that bound it, and its spec."""
+
+    handle: OpHandleLike
+    instance: object
+    spec: object  # the class's OpSpec
+    identity: int  # equal for every instance of one configuration
+
+
+class OpHandleLike(Protocol):
+    """What an equation asks the op's handle, by the equation's key (rule, wrt,
+    signature, batch) or its signature: each answer is cached on the handle."""
+
+    declares_sharding: bool
+    equations: dict  # equation key -> (Layout, RuleIO), filled by layout_and_io
+
+    def layout_and_io(self, key: tuple, instance) -> tuple[Layout, RuleIO]: ...
+    def user_rule(self, rule: str, wrt: int = -1): ...
+    def sharding(self, primals: tuple, instance): ...
+    def kernel(self, key: tuple, in_shapes: tuple, instance) -> tuple: ...
+    def traceable(self, key: tuple, instance): ...
 
 
 class Equation:
-    """One rule of one op at one signature (see the module docstring)."""
+    """One rule of one op at one signature (see the module docstring).
 
-    __slots__ = ("op", "rule", "wrt", "primals", "batch", "_hash", "__weakref__")
+    What every stage reads of it is an attribute, computed (from the handle's
+    caches) when the equation is made: the rule's operands and results
+    (``io``), the op's layout at this signature, the results' avals.
+    """
 
-    def __init__(self, op, rule: str, primals: tuple, batch: tuple = (), wrt: int = -1):
+    __slots__ = ("op", "rule", "wrt", "primals", "batch", "key", "spec", "name", "declared",
+                 "layout", "io", "out_avals", "_hash", "__weakref__")
+
+    def __init__(self, op: EquationOp, rule: str, primals: tuple, batch: tuple = (),
+                 wrt: int = -1):
         self.op = op
         self.rule = rule
         self.wrt = wrt
         self.primals = primals
-        self.batch = tuple(batch)
-        self._hash = hash((op, rule, wrt, primals, self.batch))
+        self.batch = batch = tuple(batch)
+        #: The equation without its op: the key of the caches the op's own handle
+        #: holds (a handle keying by the whole equation would hold its own op alive).
+        self.key = key = (rule, wrt, primals, batch)
+        self._hash = hash((op.identity,) + key)
+        self.spec = op.spec
+        self.name = op.spec.name  # the op's class name, for messages
+        handle = op.handle
+        #: The op declares how it splits across devices (``sharding=``, ``@jd.sharding``).
+        self.declared = handle.declares_sharding
+        #: The op's layout at this signature, and the rule's operands and results
+        #: (:class:`~jaxdecl._spec.layout.RuleIO`), checked against its signature.
+        # (the handle's cache read here: an equation is made at every step of a trace)
+        found = handle.equations.get(key) or handle.layout_and_io(key, op.instance)
+        self.layout, self.io = found
+        io = found[1]
+        #: ``(shape, dtype)`` of every result, batch dims included.
+        self.out_avals = tuple((batch + tuple(shape), dtype) for shape, dtype in io.out_avals)
 
     def __eq__(self, other):
         return type(other) is Equation and self._hash == other._hash and \
-            self.op == other.op and self.rule == other.rule and self.wrt == other.wrt and \
-            self.primals == other.primals and self.batch == other.batch
+            self.op.handle is other.op.handle and self.key == other.key
 
     def __hash__(self):
         return self._hash
@@ -66,15 +114,7 @@ class Equation:
     def __repr__(self) -> str:
         wrt = f"[{self.wrt}]" if self.wrt >= 0 else ""
         batch = f" batch={self.batch}" if self.batch else ""
-        return f"{self.op}.{self.rule}{wrt}{batch}"
-
-    @property
-    def key(self) -> tuple:
-        """The equation without its op: a key for caches the op's own handle holds.
-
-        (A handle keying by the whole equation would hold its own op alive.)
-        """
-        return (self.rule, self.wrt, self.primals, self.batch)
+        return f"{self.name}.{self.rule}{wrt}{batch}"
 
     def with_rule(self, rule: str, wrt: int = -1) -> Equation:
         """The equation of another rule of the same op, at the same shapes."""
@@ -84,51 +124,33 @@ class Equation:
         """The same rule at other shapes (one more batch dim, a shard's block)."""
         return Equation(self.op, self.rule, primals, batch, self.wrt)
 
-    # --- what the op knows about this equation ---------------------------------------
-
-    @property
-    def spec(self):
-        return self.op.spec
-
-    @property
-    def name(self) -> str:
-        """The op's class name, for messages."""
-        return self.op.spec.name
-
-    @property
-    def layout(self):
-        return self.op.layout(self.primals)
-
-    @property
-    def io(self):
-        """The rule's operands and results (:class:`~jaxdecl._spec.layout.RuleIO`), checked."""
-        return self.op.rule_io(self.primals, self.rule, self.wrt)
-
-    @property
-    def declared(self) -> bool:
-        """The op declares how it splits across devices (``sharding=``, ``@jd.sharding``)."""
-        return self.op.handle.declares_sharding
+    # --- what the op's handle knows about this equation --------------------------------
 
     @property
     def looped(self) -> bool:
         """The kernel loops over the batch dims itself (``batch="loop"``)."""
         return bool(self.batch) and self.spec.batch_mode == "loop"
 
-    def out_avals(self) -> tuple:
-        """``(shape, dtype)`` of every result, batch dims included."""
-        return tuple((self.batch + tuple(shape), dtype) for shape, dtype in self.io.out_avals)
-
     def user_rule(self):
         """The user's Rule behind this equation; MissingRuleError naming what to add."""
-        return self.op.user_rule(self.rule, self.wrt)
+        return self.op.handle.user_rule(self.rule, self.wrt)
 
-    def traceable(self):
-        """The rule as a JAX-traceable ``f(*operands) -> list``, or None (a host rule)."""
-        return self.op.traceable(self.rule, self.primals)
+    def traceable(self, rule: str | None = None):
+        """This equation's rule (or the op's `rule` at its shapes) as a JAX-traceable
+        ``f(*operands) -> list``, or None (a host rule)."""
+        found = self.spec.rules.get(self.rule if rule is None else rule)
+        if found is None or not found.traceable:  # most rules: asked without the handle
+            return None
+        key = self.key if rule is None else (rule, -1, self.primals, self.batch)
+        return self.op.handle.traceable(key, self.op.instance)
 
     def kernel(self, in_shapes: tuple) -> tuple:
         """``(kernel, pin)`` of this equation for operands of `in_shapes` (hold `pin`)."""
-        return self.op.kernel(self.rule, self.wrt, self.primals, self.batch, in_shapes)
+        return self.op.handle.kernel(self.key, in_shapes, self.op.instance)
+
+    def sharding(self):
+        """The op's sharding declaration applied to this signature (None: it declares none)."""
+        return self.op.handle.sharding(self.primals, self.op.instance)
 
     def factors(self, operand_shapes: tuple) -> _factors.RuleFactors:
         """Every dim of every operand and result named by a factor.
@@ -138,10 +160,10 @@ class Equation:
         elements are independent, so each device may run its own rows.
         """
         if self.declared:
-            return _factors.rule_factors(self.op.sharding(self.primals), self.layout,
-                                          self.rule, self.wrt, self.batch, operand_shapes)
+            return _factors.rule_factors(self.sharding(), self.layout, self.rule, self.wrt,
+                                         self.batch, operand_shapes)
         return undeclared_factors(self.batch, operand_shapes,
-                                  [s for s, _ in self.out_avals()],
+                                  [s for s, _ in self.out_avals],
                                   [s for s, _ in primal_leaves(self.primals)])
 
 
@@ -182,16 +204,3 @@ def undeclared_factors(batch: tuple, operand_shapes, result_shapes, input_shapes
 
 
 _compat.hold_weakly_in_caches(Equation)
-
-
-#: The one primitive every rule of every op binds; its parameter is an Equation.
-jaxdecl_p = _compat.Primitive("jaxdecl_call")
-jaxdecl_p.multiple_results = True
-
-
-def bind(eqn: Equation, operands) -> list:
-    """Binds `eqn` on JAX values (or tracers); returns its results."""
-    # Inside shard_map, operands that vary over fewer manual axes than others are
-    # cast (pvary) first; transposed, that sums a replicated input's gradient.
-    operands = _compat.insert_reshards(operands)
-    return jaxdecl_p.bind(*operands, equation=eqn)

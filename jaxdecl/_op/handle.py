@@ -20,7 +20,7 @@ Lifetimes (memory is bounded by what is alive):
 
 Example:
     >>> import jax, jax.numpy as jnp, jaxdecl as jd
-    >>> from jaxdecl._op.handle import handle_of
+    >>> from jaxdecl._op.identity import handle_of
     >>> class Scale(jd.Primitive):
     ...     def __init__(self, factor):
     ...         self.factor = factor
@@ -37,10 +37,6 @@ Example:
 from __future__ import annotations
 
 import threading
-import weakref
-
-import jax
-import numpy as np
 
 from .. import _compat
 from .._errors import missing_rule
@@ -50,17 +46,13 @@ from .._host import registry as _runtime
 from .._host import structure as _structure
 from .._spec import factors as _factors
 from .._spec import layout as _layout
+from .._spec import rule_io as _rule_io
 from .._spec import sharding as _sharding
-from .._spec import signatures as _signatures
 from .._spec.cfunction import CFunction
 from .._spec.layout import FORWARD, FORWARD_SAVING, TRANSPOSE, TRANSPOSE_WRT
 from . import fingerprint as _fingerprint
-from .identity import attributes, check_static, claim_fingerprint, config_key, slot_names
 
-_lock = threading.RLock()
-_live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # config key -> handle
-_anchors: dict = {}  # id(instance) -> (its handle, its attributes then), while it lives
-_unanchorable: list = []  # instances that cannot be weakly referenced: kept for good
+_lock = threading.RLock()  # one registration per kernel, when threads build one at once
 
 # Bumped whenever the operand/result order a kernel sees changes: part of
 # every kernel fingerprint, so that no program compiled against another order
@@ -73,11 +65,14 @@ _KERNEL_ABI = "jaxdecl-kernel-1"
 class OpHandle:
     """One op configuration: its layouts and kernels, shared by equal instances."""
 
-    def __init__(self, spec, cls, items):
+    def __init__(self, spec):
         self.spec = spec
-        self.fingerprint = claim_fingerprint(self, cls, items)
+        #: The configuration part of its kernels' fingerprints (set by identity.handle_of).
+        self.fingerprint = None
         self._layouts: dict = {}
-        self._rule_ios: dict = {}  # (primals, rule, wrt) -> RuleIO, its arity checked
+        self._rule_ios: dict = {}  # equation key -> RuleIO, its arity checked
+        #: equation key -> (Layout, RuleIO): read by every Equation as it is made
+        self.equations: dict = {}
         self._kernels: dict = {}
         self._shardings: dict = {}  # primals -> _factors.Resolved or None
         self.declares_sharding = spec.sharding is not None or "sharding" in spec.rules
@@ -97,20 +92,28 @@ class OpHandle:
             self._layouts[primals] = layout
         return layout
 
-    def rule_io(self, primals: tuple, rule: str, wrt: int, instance) -> _layout.RuleIO:
-        """The operands and results of `rule` at `primals`, checked against its signature.
+    def layout_and_io(self, key: tuple, instance) -> tuple:
+        """``(layout, io)`` of equation `key`: what every equation reads when it is made."""
+        found = self.equations.get(key)
+        if found is None:
+            found = (self.layout(key[2], instance), self.rule_io(key, instance))
+            self.equations[key] = found
+        return found
+
+    def rule_io(self, key: tuple, instance) -> _rule_io.RuleIO:
+        """The operands and results of the rule of equation `key`, checked against its
+        signature.
 
         The first time a rule is traced at some input types, its parameters
         are counted against what jaxdecl will pass (how many tangents or
         cotangents depends on the dtypes): a mismatch is a DeclarationError
         now rather than a bare TypeError from inside XLA later.
         """
-        key = (primals, rule, wrt)
         io = self._rule_ios.get(key)
         if io is None:
+            rule, wrt, primals, _ = key
             layout = self.layout(primals, instance)
-            io = _layout.rule_io(self.spec, layout, rule, wrt)
-            _signatures.check_traced(self.spec, layout, rule, wrt, io)
+            io = _rule_io.rule_io(self.spec, layout, rule, wrt)
             self._rule_ios[key] = io
         return io
 
@@ -144,16 +147,15 @@ class OpHandle:
             raise missing_rule(spec, rule)
         return found
 
-    def kernel(self, instance, rule: str, wrt: int, primals: tuple, batch: tuple,
-               in_shapes: tuple) -> tuple:
-        """``(kernel, pin)``: the registered kernel of one rule at one set of shapes.
+    def kernel(self, key: tuple, in_shapes: tuple, instance) -> tuple:
+        """``(kernel, pin)``: the registered kernel of equation `key` at `in_shapes`.
 
         Built on first use. Hold `pin` while the kernel may run: it keeps the op
         instance the kernel calls alive. A cached kernel whose instance is gone
         is rebuilt on `instance` (any live instance of this configuration
         computes the same).
         """
-        cache_key = (rule, wrt, primals, batch, in_shapes)
+        cache_key = (key, in_shapes)
         kernel = self._kernels.get(cache_key)
         pin = kernel.pin() if kernel is not None else None
         if pin is None:
@@ -162,24 +164,39 @@ class OpHandle:
                 kernel = self._kernels.get(cache_key)
                 pin = kernel.pin() if kernel is not None else None
                 if pin is None:
-                    kernel = self._build_kernel(instance, rule, wrt, primals, batch, in_shapes)
+                    kernel = self._build_kernel(key, in_shapes, instance)
                     self._kernels[cache_key] = kernel
                     pin = kernel.pin()
         return kernel, pin
 
-    def kernel_fingerprint(self, rule, wrt, primals, batch, in_shapes) -> tuple:
-        """What compiled HLO names the kernel of `rule` at these shapes by."""
+    def kernel_fingerprint(self, key: tuple, in_shapes: tuple) -> tuple:
+        """What compiled HLO names the kernel of equation `key` at `in_shapes` by."""
+        rule, wrt, primals, batch = key
         return _fingerprint.digest(_KERNEL_ABI, self.fingerprint, rule, str(wrt),
                                    repr(primals), repr(batch), repr(in_shapes))
 
-    def _build_kernel(self, instance, rule, wrt, primals, batch, in_shapes):
+    def traceable(self, key: tuple, instance):
+        """The traceable (JAX-valued) form of equation `key`'s jvp/vjp rule as
+        ``f(*operands) -> list``, or None (a host rule)."""
+        rule = key[0]
+        found = self.spec.rules.get(rule)
+        if found is None or not found.traceable:
+            return None
+        io = self.rule_io(key, instance)
+        context = f"{self.spec.name}.{found.name} (@{found.kind})"
+        if io.keywords or io.n_extra:
+            return _keyword_rules.traceable_rule(found.bind(instance), io, context)
+        return _structure.traceable_rule(found.bind(instance), io, context)
+
+    def _build_kernel(self, key: tuple, in_shapes: tuple, instance):
         spec = self.spec
+        rule, wrt, primals, batch = key
         user = self.user_rule(rule, wrt)
         name = f"{spec.name}.{user.name} (@{user.kind})"
-        fingerprint = self.kernel_fingerprint(rule, wrt, primals, batch, in_shapes)
+        fingerprint = self.kernel_fingerprint(key, in_shapes)
         # batch="loop": the dispatcher runs the kernel once per row of the batch.
         rows = batch if spec.batch_mode == "loop" else ()
-        io = self.rule_io(primals, rule, wrt, instance)
+        io = self.rule_io(key, instance)
         # An adjoint's leading operands (the non-differentiable inputs) pass unconjugated.
         n_lead = len(io.in_names) - sum(self.layout(primals, instance).float_out)
         if isinstance(user.function, CFunction):
@@ -210,136 +227,26 @@ class BoundOp:
 
     Equal (and hashing alike) for every instance of one configuration, so JAX's
     caches treat them as one; holding the instance keeps a traced program's op
-    alive for as long as the program exists.
+    alive for as long as the program exists. An
+    :class:`~jaxdecl._op.equation.Equation` asks the handle, with the instance.
     """
 
-    __slots__ = ("handle", "instance", "__weakref__")
+    __slots__ = ("handle", "instance", "spec", "identity", "__weakref__")
 
     def __init__(self, handle: OpHandle, instance):
         self.handle = handle
         self.instance = instance
+        self.spec = handle.spec
+        self.identity = id(handle)  # one per configuration, while the handle lives
 
     def __eq__(self, other):
         return type(other) is BoundOp and other.handle is self.handle
 
     def __hash__(self):
-        return id(self.handle)
+        return self.identity
 
     def __repr__(self) -> str:
-        return self.handle.spec.name
-
-    @property
-    def spec(self):
-        return self.handle.spec
-
-    def layout(self, primals: tuple) -> _layout.Layout:
-        return self.handle.layout(primals, self.instance)
-
-    def rule_io(self, primals: tuple, rule: str, wrt: int) -> _layout.RuleIO:
-        """See :meth:`OpHandle.rule_io`."""
-        return self.handle.rule_io(primals, rule, wrt, self.instance)
-
-    def user_rule(self, rule: str, wrt: int = -1):
-        return self.handle.user_rule(rule, wrt)
-
-    def sharding(self, primals: tuple):
-        """See :meth:`OpHandle.sharding`."""
-        return self.handle.sharding(primals, self.instance)
-
-    def kernel(self, rule: str, wrt: int, primals: tuple, batch: tuple, in_shapes: tuple):
-        """``(kernel, pin)``, see :meth:`OpHandle.kernel`."""
-        return self.handle.kernel(self.instance, rule, wrt, primals, batch, in_shapes)
-
-    def traceable(self, rule: str, primals: tuple):
-        """The traceable (JAX-valued) form of jvp/vjp as ``f(*operands) -> list``, or None."""
-        found = self.spec.rules.get(rule)
-        if found is None or not found.traceable:
-            return None
-        io = self.rule_io(primals, rule, -1)
-        context = f"{self.spec.name}.{found.name} (@{found.kind})"
-        if io.keywords or io.n_extra:
-            return _keyword_rules.traceable_rule(found.bind(self.instance), io, context)
-        return _structure.traceable_rule(found.bind(self.instance), io, context)
+        return self.spec.name
 
 
 _compat.hold_weakly_in_caches(BoundOp)
-
-
-def spec_of(op):
-    """The OpSpec of a jaxdecl op (instance) or class; TypeError otherwise."""
-    spec = getattr(op, "__jaxdecl_spec__", None)
-    if spec is None:
-        raise TypeError(f"{op!r} is not a jaxdecl primitive (subclass jd.Primitive or use "
-                        f"@jd.primitive)")
-    return spec
-
-
-def _anchor(instance, handle: OpHandle, values) -> None:
-    """Keeps `handle` alive while `instance` lives, and no longer; remembers the
-    attribute values it was keyed by (see :func:`handle_of`)."""
-    first = id(instance) not in _anchors
-    # Only values that cannot refer back to the instance are remembered (a bound
-    # method of the op would keep it alive for good); other configurations take
-    # the slow path each time.
-    simple = values is not None and all(_simple(v) for v in values.values())
-    # The class, when its instances' __dict__ is their whole configuration: then
-    # handle_of reads that dict directly (see attributes).
-    cls = type(instance)
-    plain = cls if not slot_names(cls) and hasattr(instance, "__dict__") else None
-    _anchors[id(instance)] = (handle, dict(values) if simple else None, plain)
-    if first:
-        try:
-            finalizer = weakref.finalize(instance, _anchors.pop, id(instance), None)
-            finalizer.atexit = False
-        except TypeError:  # cannot be weakly referenced
-            _unanchorable.append(instance)
-
-
-def handle_of(instance) -> OpHandle:
-    """The shared handle of an op instance's configuration (created on first use).
-
-    Looked up from the configuration on every call rather than cached on the
-    instance: a cache attribute would change the pytree and equality of
-    dataclass-like ops (equinox, nifty.re), and configuration set after a first
-    use (nifty.re models evaluate themselves inside __init__) must count. The
-    common case is an instance whose attributes are the very objects its
-    handle was found by: then the handle is its anchor's, with no key to build.
-    """
-    anchored = _anchors.get(id(instance))
-    if anchored is None:
-        values = attributes(instance)
-    else:
-        handle, seen, plain = anchored
-        values = instance.__dict__ if type(instance) is plain else attributes(instance)
-        if seen is not None and values is not None and len(seen) == len(values):
-            # A plain loop: this runs on every eager call, and a generator costs more.
-            for name, value in seen.items():
-                if values.get(name, _MISSING) is not value:
-                    break
-            else:
-                return handle
-    key, items = config_key(instance)
-    handle = _live.get(key)
-    if handle is None:
-        spec = spec_of(instance)
-        with _lock:
-            handle = _live.get(key)
-            if handle is None:
-                check_static(spec, instance)
-                handle = OpHandle(spec, type(instance), items)
-                _live[key] = handle
-    _anchor(instance, handle, values)
-    return handle
-
-
-_MISSING = object()
-_ATOMS = (int, float, complex, str, bytes, type(None), np.ndarray, np.generic, np.dtype,
-          jax.Array)
-
-
-def _simple(value) -> bool:
-    """A value that holds no reference to other Python objects (bar its own data)."""
-    if isinstance(value, tuple):
-        return all(_simple(v) for v in value)
-    return isinstance(value, _ATOMS) and not isinstance(value, _compat.Tracer) and \
-        not (isinstance(value, np.ndarray) and value.dtype.hasobject)

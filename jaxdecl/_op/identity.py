@@ -1,9 +1,12 @@
-"""Which op instances are one configuration: equality keys, fingerprints, static checks.
+"""Which op instances are one configuration, and the handle each configuration has.
 
 Two instances share compiled code when their configurations are equal: by the
 class's own ``__eq__``/``__hash__`` where it defines them, else by their
 attributes (``__dict__`` and set ``__slots__``, typed: 1, 1.0 and True differ)
 when those are hashable, else by identity. Keys never keep an instance alive.
+:func:`handle_of` gives an instance its configuration's
+:class:`~jaxdecl._op.handle.OpHandle` (made on first use, with its
+fingerprint), and keeps it while an instance of that configuration lives.
 
 Example:
     >>> class Scale:  # (any class: the key reads only the configuration)
@@ -17,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import jax
@@ -24,6 +28,7 @@ import numpy as np
 
 from .. import _compat
 from . import fingerprint as _fingerprint
+from .handle import OpHandle
 
 _by_fingerprint: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
@@ -193,3 +198,94 @@ def check_static(spec, instance) -> None:
                     f"and cannot read it. Either pass {variable!r} as an input of the op "
                     f"(list it in nondiff= if it is not differentiated), or make it static: "
                     f"a NumPy array or Python value computed outside the traced function")
+
+
+# ---------------------------------------------------------------------------------------
+# The handle of an instance's configuration
+# ---------------------------------------------------------------------------------------
+
+_lock = threading.RLock()
+_live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # config key -> handle
+_anchors: dict = {}  # id(instance) -> (its handle, its attributes then), while it lives
+_unanchorable: list = []  # instances that cannot be weakly referenced: kept for good
+
+
+def spec_of(op):
+    """The OpSpec of a jaxdecl op (instance) or class; TypeError otherwise."""
+    spec = getattr(op, "__jaxdecl_spec__", None)
+    if spec is None:
+        raise TypeError(f"{op!r} is not a jaxdecl primitive (subclass jd.Primitive or use "
+                        f"@jd.primitive)")
+    return spec
+
+
+def _anchor(instance, handle: OpHandle, values) -> None:
+    """Keeps `handle` alive while `instance` lives, and no longer; remembers the
+    attribute values it was keyed by (see :func:`handle_of`)."""
+    first = id(instance) not in _anchors
+    # Only values that cannot refer back to the instance are remembered (a bound
+    # method of the op would keep it alive for good); other configurations take
+    # the slow path each time.
+    simple = values is not None and all(_simple(v) for v in values.values())
+    # The class, when its instances' __dict__ is their whole configuration: then
+    # handle_of reads that dict directly (see attributes).
+    cls = type(instance)
+    plain = cls if not slot_names(cls) and hasattr(instance, "__dict__") else None
+    _anchors[id(instance)] = (handle, dict(values) if simple else None, plain)
+    if first:
+        try:
+            finalizer = weakref.finalize(instance, _anchors.pop, id(instance), None)
+            finalizer.atexit = False
+        except TypeError:  # cannot be weakly referenced
+            _unanchorable.append(instance)
+
+
+def handle_of(instance) -> OpHandle:
+    """The shared handle of an op instance's configuration (created on first use).
+
+    Looked up from the configuration on every call rather than cached on the
+    instance: a cache attribute would change the pytree and equality of
+    dataclass-like ops (equinox, nifty.re), and configuration set after a first
+    use (nifty.re models evaluate themselves inside __init__) must count. The
+    common case is an instance whose attributes are the very objects its
+    handle was found by: then the handle is its anchor's, with no key to build.
+    """
+    anchored = _anchors.get(id(instance))
+    if anchored is None:
+        values = attributes(instance)
+    else:
+        handle, seen, plain = anchored
+        values = instance.__dict__ if type(instance) is plain else attributes(instance)
+        if seen is not None and values is not None and len(seen) == len(values):
+            # A plain loop: this runs on every eager call, and a generator costs more.
+            for name, value in seen.items():
+                if values.get(name, _MISSING) is not value:
+                    break
+            else:
+                return handle
+    key, items = config_key(instance)
+    handle = _live.get(key)
+    if handle is None:
+        spec = spec_of(instance)
+        with _lock:
+            handle = _live.get(key)
+            if handle is None:
+                check_static(spec, instance)
+                handle = OpHandle(spec)
+                handle.fingerprint = claim_fingerprint(handle, type(instance), items)
+                _live[key] = handle
+    _anchor(instance, handle, values)
+    return handle
+
+
+_MISSING = object()
+_ATOMS = (int, float, complex, str, bytes, type(None), np.ndarray, np.generic, np.dtype,
+          jax.Array)
+
+
+def _simple(value) -> bool:
+    """A value that holds no reference to other Python objects (bar its own data)."""
+    if isinstance(value, tuple):
+        return all(_simple(v) for v in value)
+    return isinstance(value, _ATOMS) and not isinstance(value, _compat.Tracer) and \
+        not (isinstance(value, np.ndarray) and value.dtype.hasobject)

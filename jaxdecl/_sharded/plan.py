@@ -200,7 +200,7 @@ def result_specs(eqn, p: Plan, operand_specs, operand_shapes, meshless=frozenset
     """
     specs = list(p.result_specs)
     if not eqn.declared:
-        for j, (shape, _) in enumerate(eqn.out_avals()):
+        for j, (shape, _) in enumerate(eqn.out_avals):
             i = mirrored(shape, operand_specs, operand_shapes, meshless)
             if i is not None:
                 specs[j] = tuple(operand_specs[i])
@@ -231,7 +231,7 @@ def mirrored(shape, operand_specs, operand_shapes, meshless=frozenset()):
 def whole_plan(eqn) -> Plan:
     """The plan of a call that runs on whole operands (one device, or every device on
     gathered inputs): every result whole, nothing summed."""
-    return Plan({}, (), tuple((None,) * len(shape) for shape, _ in eqn.out_avals()), ())
+    return Plan({}, (), tuple((None,) * len(shape) for shape, _ in eqn.out_avals), ())
 
 
 def warn_gathers(eqn, p: Plan) -> None:
@@ -308,8 +308,8 @@ def local_equation(eqn, factors, p: Plan, axis_sizes: dict, operand_shapes) -> t
     local_in = tuple(local(names, shape) for names, shape in zip(factors.operands,
                                                                    operand_shapes))
     expected = [local(names, shape) for names, (shape, _) in zip(factors.results,
-                                                                 eqn.out_avals())]
-    got = [shape for shape, _ in shard.out_avals()]
+                                                                 eqn.out_avals)]
+    got = [shape for shape, _ in shard.out_avals]
     for j, (g, e) in enumerate(zip(got, expected)):
         if g != e:
             raise RuleError(

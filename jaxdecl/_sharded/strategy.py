@@ -115,3 +115,9 @@ def facts(**known) -> CallFacts:
     """CallFacts with this JAX's capabilities filled in."""
     return CallFacts(splits_per_shard=splits_per_shard(),
                      explicit_reductions=_compat.EXPLICIT_REDUCTIONS, **known)
+
+
+def decide(**known) -> Strategy:
+    """The strategy for a call with these facts, this JAX's capabilities filled in:
+    ``choose(facts(**known))``, what every caller asks."""
+    return choose(facts(**known))

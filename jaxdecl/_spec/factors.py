@@ -206,7 +206,7 @@ def rule_factors(resolved: Resolved, layout, rule: str, wrt: int, batch: tuple,
 
 
 def _extra_factors(resolved: Resolved, layout, rule: str) -> tuple:
-    """Factors of what a rule carries besides its usual operands (see _layout.rule_io).
+    """Factors of what a rule carries besides its usual operands (see rule_io.rule_io).
 
     ``forward_saving`` results end with the residuals; ``jvp``/``vjp`` operands
     with the forward's outputs (when a rule takes ``result``), then the residuals.

@@ -88,14 +88,14 @@ def parameters(function, *, any_callable: bool = False) -> Parameters | None:
 
 
 def _where(cls_name: str, rule) -> str:
-    return f"{cls_name}.{rule.name} ({_decorator(rule)})"
+    return f"{cls_name}.{rule.name} ({decorator_label(rule)})"
 
 
-def _decorator(rule) -> str:
+def decorator_label(rule) -> str:
     return f"@{rule.kind}" + (f"(wrt={rule.wrt!r})" if rule.wrt is not None else "")
 
 
-def _def(rule, names, zero_copy: bool | None = None) -> str:
+def suggested_def(rule, names, zero_copy: bool | None = None) -> str:
     """``def name(self, a, b, *, out)``: a signature to show in a message."""
     zero_copy = rule.zero_copy if zero_copy is None else zero_copy
     listed = ", ".join(["self", *names] + (["*", "out"] if zero_copy else []))
@@ -111,7 +111,7 @@ def _check_form(cls_name: str, rule, found: Parameters) -> None:
         raise DeclarationError(
             f"{where}: `out` is a positional parameter; jaxdecl passes it by keyword (the "
             f"zero-copy form), so the rule would take it for an input. Make it keyword-only: "
-            f"{_def(rule, inputs, zero_copy=True)}")
+            f"{suggested_def(rule, inputs, zero_copy=True)}")
     unknown = [n for n in found.required_keywords if n not in PASSED_BY_KEYWORD]
     if unknown:
         raise DeclarationError(
@@ -151,7 +151,7 @@ def _missing_self(cls_name: str, rule, names: tuple, expected: tuple) -> Declara
     return DeclarationError(
         f"{_where(cls_name, rule)} has no `self`: its first parameter {names[0]!r} would "
         f"receive the op instance, not the input {names[0]!r}. Write "
-        f"{_def(rule, expected)}")
+        f"{suggested_def(rule, expected)}")
 
 
 def op_inputs(cls_name: str, rules: dict, transposes_wrt: dict) -> tuple:
@@ -182,7 +182,7 @@ def op_inputs(cls_name: str, rules: dict, transposes_wrt: dict) -> tuple:
         raise DeclarationError(
             f"{_where(cls_name, abstract)} takes only {declared[0]!r}, which jaxdecl passes "
             f"the op instance to. If {declared[0]!r} is an input, add `self` first: "
-            f"{_def(abstract, declared)}; an op without inputs names its only parameter "
+            f"{suggested_def(abstract, declared)}; an op without inputs names its only parameter "
             f"`self`")
     for rule in (forward, rules.get("sharding")):  # (@residuals: see residuals.declare)
         found = None if rule is None else signatures.get(id(rule))
@@ -195,7 +195,7 @@ def op_inputs(cls_name: str, rules: dict, transposes_wrt: dict) -> tuple:
             raise DeclarationError(
                 f"{_where(cls_name, abstract)} takes inputs {params}, but "
                 f"{_where(cls_name, rule)} takes {names[1:]}; they must match (the op's "
-                f"inputs are named by @abstract): {_def(rule, params)}")
+                f"inputs are named by @abstract): {suggested_def(rule, params)}")
     return params
 
 
@@ -247,7 +247,8 @@ def check_rules(cls_name: str, rules: dict, transposes_wrt: dict, params: tuple,
         if count < least or (most is not None and count > most):
             raise DeclarationError(
                 f"{_where(cls_name, rule)} takes ({', '.join(names)}), but jaxdecl passes "
-                f"{why}: {_def(rule, expected)}{_missing(rule.kind, names, least, most, params)}")
+                f"{why}: {suggested_def(rule, expected)}"
+                f"{_missing(rule.kind, names, least, most, params)}")
 
 
 def _missing(kind: str, names: tuple, least: int, most, params: tuple) -> str:
@@ -265,77 +266,3 @@ def _missing(kind: str, names: tuple, least: int, most, params: tuple) -> str:
     what = {"jvp": "a tangent", "adjoint": "a value"}.get(kind, "a cotangent")
     return f" ({what} is missing)" if count == least - 1 else \
         f" ({count} parameters after self; at least {least})"
-
-
-def check_traced(spec, layout, rule_kind: str, wrt: int, io) -> None:
-    """Checks a rule's arity at the input types of one trace (counts that depend on dtypes).
-
-    `io` is the rule's :class:`~jaxdecl._spec.layout.RuleIO`: one argument per group.
-    """
-    from .layout import FORWARD, JVP, TRANSPOSE, TRANSPOSE_WRT, VJP
-
-    if rule_kind == FORWARD:
-        return  # named like @abstract, checked when the class was created
-    if rule_kind == TRANSPOSE:
-        rule = spec.rules.get("transpose") or spec.rules.get("adjoint")
-    elif rule_kind == TRANSPOSE_WRT:
-        rule = spec.transposes_wrt.get(spec.params[wrt])
-    else:
-        rule = spec.rules.get(rule_kind)
-    found = None if rule is None else parameters(rule.function)
-    if found is None or found.varargs:
-        return
-    given = len(found.positional) - 1
-    wanted = len(io.args)
-    if given == wanted:
-        return
-    # Which inputs (outputs) carry a tangent (cotangent) at these types.
-    with_tangent = [spec.params[k] for k, g in enumerate(layout.in_groups)
-                    if any(layout.diff[s] for s in g.slots)]
-    without = [p for p in spec.params if p not in with_tangent]
-    outputs = [k for k, g in enumerate(layout.out_groups)
-               if any(layout.float_out[s] for s in g.slots)]
-    cts = ["ct"] if len(outputs) == 1 else [f"ct{k}" for k in outputs]
-    ints = [p for p in without if p not in spec.nondiff]
-    int_note = ""
-    if ints:
-        int_note = (f"; {', '.join(ints)} is an integer input here, which takes no tangent"
-                    if len(ints) == 1 else
-                    f"; {', '.join(ints)} are integer inputs here, which take no tangent")
-    if rule_kind == JVP:
-        expected = list(spec.params) + ["d" + p for p in with_tangent]
-        why = (f"the op's inputs ({', '.join(spec.params)}), then one tangent per input "
-               f"with a floating or complex value not in nondiff= ({', '.join(with_tangent)})"
-               f"{int_note}")
-    elif rule_kind == VJP:
-        expected = list(spec.params) + cts
-        why = (f"the op's inputs ({', '.join(spec.params)}), then one cotangent per "
-               f"floating or complex output ({len(outputs)} here)")
-    elif rule_kind == TRANSPOSE:
-        # A transpose that names a floating input as a leading parameter almost
-        # always means an input the op is not linear in (coordinates): nondiff=.
-        named = [p for p in found.positional[1:] if p in with_tangent]
-        if named and len(with_tangent) > len(named):
-            listed = ", ".join(repr(p) for p in named)
-            raise DeclarationError(
-                f"{spec.name}.{rule.name} ({_decorator(rule)}) takes {listed}, "
-                f"{'a floating input' if len(named) == 1 else 'floating inputs'} of "
-                f"{spec.name} that jaxdecl differentiates: a linear op's transpose receives "
-                f"only the inputs it is not linear in. Declare "
-                f"{'it' if len(named) == 1 else 'them'} non-differentiable: "
-                f"`class {spec.name}(jd.Primitive, linear=True, "
-                f"nondiff=({', '.join(repr(p) for p in named)},))` (or "
-                f"@jd.primitive(..., nondiff=...)); if {spec.name} is linear in "
-                f"{'it' if len(named) == 1 else 'them'}, drop "
-                f"{'it' if len(named) == 1 else 'them'} from the signature")
-        expected = without + cts
-        why = (f"the inputs without a tangent ({', '.join(without) or 'none'}), then one "
-               f"cotangent per floating or complex output ({len(outputs)} here)")
-    else:
-        expected = [p for p in spec.params if p != spec.params[wrt]] + cts
-        why = (f"every input but {spec.params[wrt]!r}, then one cotangent per floating or "
-               f"complex output ({len(outputs)} here)")
-    raise DeclarationError(
-        f"{spec.name}.{rule.name} ({_decorator(rule)}) takes "
-        f"({', '.join(found.positional)}), but at these input types jaxdecl passes {why}: "
-        f"{_def(rule, expected)}")

@@ -21,9 +21,8 @@ import jax.numpy as jnp
 
 from .. import _compat
 from .._errors import MissingRuleError, missing_rule
-from .._op.equation import bind, jaxdecl_p
-from .._spec.layout import FORWARD, FORWARD_SAVING, JVP, TRANSPOSE, TRANSPOSE_WRT, VJP, n_extra
-from .lowering import broadcast_vmapped
+from .._spec.layout import FORWARD, FORWARD_SAVING, JVP, TRANSPOSE, TRANSPOSE_WRT, VJP
+from .primitive import bind, broadcast_vmapped, jaxdecl_p
 
 Zero = _compat.Zero
 
@@ -69,12 +68,13 @@ def _slots(op, layout, rule, wrt):
         range(n - 1, n - 1 + n_ct))
 
 
-def _second_order_form(op, rule, layout, primals):
+def _second_order_form(eqn):
     """A JAX-traceable version of the jvp/vjp rule, so it can be differentiated again."""
-    own = op.traceable(rule, primals)
+    rule, layout = eqn.rule, eqn.layout
+    own = eqn.traceable()
     if own is not None:
         return own
-    other = op.traceable(VJP if rule == JVP else JVP, primals)
+    other = eqn.traceable(VJP if rule == JVP else JVP)
     if other is None:
         return None
     n = len(layout.inputs)
@@ -114,7 +114,7 @@ def _not_differentiable(op, rule) -> MissingRuleError:
 
 def jvp_rule(operands, tangents, *, equation):
     eqn = equation
-    op, rule, wrt, primals, batch = eqn.op, eqn.rule, eqn.wrt, eqn.primals, eqn.batch
+    op, rule, wrt, batch = eqn.op, eqn.rule, eqn.wrt, eqn.batch
     spec = op.spec
     layout = eqn.layout
     if rule in (FORWARD, FORWARD_SAVING):
@@ -131,7 +131,7 @@ def jvp_rule(operands, tangents, *, equation):
     if any(not _is_zero(tangents[k]) and tangents[k].dtype != jax.dtypes.float0
            for k in others):
         # A tangent on a non-linear operand: differentiate a traceable form.
-        form = _second_order_form(op, rule, layout, primals) if rule in (JVP, VJP) else None
+        form = _second_order_form(eqn) if rule in (JVP, VJP) else None
         if form is None:
             raise _not_differentiable(op, rule if rule in (JVP, VJP) else JVP)
         evaluate = broadcast_vmapped(form, batch)
@@ -169,7 +169,7 @@ def _is_float0(t) -> bool:
 
 def _jvp_nonlinear(eqn, layout, operands, tangents):
     """The forward and its tangents; the rule is ``forward_saving`` only at second order."""
-    op, rule, primals = eqn.op, eqn.rule, eqn.primals
+    op, rule = eqn.op, eqn.rule
     diff = layout.diff_indices
     keeps = op.spec.keeps
     live = any(not _is_zero(tangents[i]) for i in diff)
@@ -179,7 +179,7 @@ def _jvp_nonlinear(eqn, layout, operands, tangents):
     if rule == FORWARD_SAVING:
         _refuse_residual_tangents(op, layout)
     dxs = [_compat.instantiate_zeros(tangents[i]) for i in diff]
-    inline = op.traceable(JVP, primals)
+    inline = eqn.traceable(JVP)
     inline = inline if "vjp" not in op.spec.rules else None  # else @vjp serves reverse mode
     if keeps is None:
         # Bound before the forward so that a missing @jvp fails before any rule runs.
@@ -248,7 +248,7 @@ def _operand_aval(x):
 
 def transpose_rule(cts, *operands, equation):
     eqn = equation
-    op, rule, wrt, primals, batch = eqn.op, eqn.rule, eqn.wrt, eqn.primals, eqn.batch
+    op, rule, wrt, batch = eqn.op, eqn.rule, eqn.wrt, eqn.batch
     spec = op.spec
     layout = eqn.layout
     n = len(layout.inputs)
@@ -288,9 +288,9 @@ def transpose_rule(cts, *operands, equation):
         # jvp and vjp transpose into each other; the extras (outputs, residuals) pass along.
         other = VJP if rule == JVP else JVP
         xs = defined(range(n))
-        extras = defined(range(len(operands) - n_extra(spec, layout, rule), len(operands)))
+        extras = defined(range(len(operands) - eqn.io.n_extra, len(operands)))
         args = xs + float_cts + extras
-        inline = op.traceable(other, primals)
+        inline = eqn.traceable(other)
         if inline is not None:
             results = broadcast_vmapped(inline, batch)(*args)
         elif other in spec.rules:

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 
 from .. import _compat
 from .._host import structure as _structure
-from .._op.equation import bind, jaxdecl_p
 from .._spec.layout import FORWARD, TRANSPOSE
+from .primitive import bind, jaxdecl_p
 
 not_mapped = _compat.not_mapped
 
@@ -43,12 +43,12 @@ def batch_rule(args, dims, *, equation):
     spec = op.spec
     user = spec.rules.get("batch")
     if user is not None and rule == FORWARD:
-        batched = _user_batch(op, args, dims, op.layout(primals))
+        batched = _user_batch(op, args, dims, eqn.layout)
         if batched is not NotImplemented:
             return batched
     elif user is not None and rule == TRANSPOSE:
         try:
-            return _transpose_of_user_batch(op, args, dims, primals)
+            return _transpose_of_user_batch(op, args, dims, eqn.layout)
         except _Declined:
             pass
     size = _batch_size(args, dims)
@@ -115,9 +115,8 @@ def _user_batch(op, args, dims, layout):
     return _call_user_batch(op, args, axes, layout)
 
 
-def _transpose_of_user_batch(op, args, dims, primals):
+def _transpose_of_user_batch(op, args, dims, layout):
     """Batches ``transpose`` as the linear transpose of the user's batched forward."""
-    layout = op.layout(primals)
     n = len(layout.inputs)
     diff = layout.diff_indices
     lead = [i for i in range(n) if not layout.diff[i]]

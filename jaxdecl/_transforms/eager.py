@@ -197,11 +197,11 @@ def run_sharded(eqn, operands, *, single: bool = False, rebuild=None):
     found = sharded_call(eqn, mesh, specs, operands, single=single, rebuild=rebuild,
                          cached_only=True) if mesh is not None else None
     if found is None:
-        strategy = _strategy.choose(_strategy.facts(
+        strategy = _strategy.decide(
             devices=2, eager=True, common_mesh=mesh is not None, declared=eqn.declared,
             explicit=mesh is not None and _compat.has_explicit_axes(mesh),
             splits=eqn.declared or _splits_batch(eqn, specs),
-            addressable=all(getattr(x, "is_fully_addressable", True) for x in operands)))
+            addressable=all(getattr(x, "is_fully_addressable", True) for x in operands))
         if strategy is Strategy.ONE_DEVICE:
             return _one_device(eqn, operands, mesh, specs, single, rebuild)
         found = sharded_call(eqn, mesh, specs, operands, single=single, rebuild=rebuild)
@@ -249,8 +249,8 @@ def sharded_call(eqn, mesh, specs, operands, *, single=False, rebuild=None,
     kernel, pin = shard.kernel(local_in)
     want = tuple(tuple(s) for s in _plan.result_specs(eqn, p, specs, in_shapes))
     caller = sharded_executable(mesh, p, not eqn.declared, tuple(specs), want,
-                                shard.out_avals())
-    call = Call(kernel, shard.out_avals(), single, rebuild=rebuild, caller=caller)
+                                shard.out_avals)
+    call = Call(kernel, shard.out_avals, single, rebuild=rebuild, caller=caller)
     if all(getattr(x, "is_fully_addressable", True) for x in operands):
         # The slot goes to every device of the mesh once, not at each call (a
         # one-device scalar would be copied to each device on every run). Across
@@ -276,7 +276,7 @@ def _one_device(eqn, operands, mesh, specs, single, rebuild):
     def run_whole(values):
         in_shapes = tuple(tuple(x.shape) for x in values)
         kernel, pin = eqn.kernel(in_shapes)
-        result = run(Call(kernel, eqn.out_avals(), single, rebuild=rebuild), values)
+        result = run(Call(kernel, eqn.out_avals, single, rebuild=rebuild), values)
         del pin
         return result
 

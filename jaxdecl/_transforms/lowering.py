@@ -41,37 +41,12 @@ import numpy as np
 from .. import _compat
 from .._host import registry as _runtime
 from .._op import fingerprint as _fingerprint
-from .._op.equation import bind
 from .._sharded import plan as _plan
 from .._sharded import shardmap as _shardmap
 from .._sharded import strategy as _strategy
 from .._sharded.strategy import Strategy
 from . import recipes as _recipes
-
-
-def broadcast_vmapped(function, batch: tuple):
-    """Applies a traceable rule to operands with leading (maybe size-1) batch dims."""
-    if not batch:
-        return function
-
-    def batched(*operands):
-        full = [jax.numpy.broadcast_to(x, batch + tuple(x.shape[len(batch):]))
-                for x in operands]
-        mapped = function
-        for _ in batch:
-            mapped = jax.vmap(mapped)
-        return mapped(*full)
-
-    return batched
-
-
-def mesh_of(avals):
-    """The (abstract) mesh the operands' types refer to, or None."""
-    for aval in avals:
-        mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
-        if mesh is not None and not mesh.empty:
-            return mesh
-    return None
+from .primitive import bind, broadcast_vmapped, jaxdecl_p, mesh_of
 
 
 def _program_mesh(ctx):
@@ -106,7 +81,7 @@ def lower(ctx, *args, equation):
         factors = eqn.factors(in_shapes)
         rank = _plan.split_rank(factors, devices, eqn.looped)
         facts["elementwise"] = bool(rank)
-    strategy = _strategy.choose(_strategy.facts(**facts))
+    strategy = _strategy.decide(**facts)
     if strategy is Strategy.DIRECT:
         if devices > 1 and eqn.declared:
             _warn_cannot_split(eqn.name)
@@ -272,7 +247,7 @@ def lower_partitioned(ctx, args, eqn, factors):
             kernel, pin = shard.kernel(local_in)
             held.keep.append(_runtime.KeepAlive(kernel, pin))
             local = _shardmap.local_body(lambda *blocks: bind(shard, blocks), p,
-                                         out_avals=shard.out_avals(), once=not eqn.declared,
+                                         out_avals=shard.out_avals, once=not eqn.declared,
                                          axis_sizes=axis_sizes)
             named = _compat.NamedSharding
             return (mesh, lambda *blocks: tuple(local(*blocks)),
@@ -306,8 +281,7 @@ def _mark_partitioned(module, eqn, in_shapes) -> None:
     this lowering, so that such a program never comes from the cache.
     """
     if _recipes.recipe(eqn, in_shapes, required=False):
-        hi, lo = eqn.op.handle.kernel_fingerprint(eqn.rule, eqn.wrt, eqn.primals, eqn.batch,
-                                                  in_shapes)
+        hi, lo = eqn.op.handle.kernel_fingerprint(eqn.key, in_shapes)
         token = f"{hi & (2**64 - 1):016x}{lo & (2**64 - 1):016x}"
     else:
         token = _fingerprint.process_unique()
@@ -335,8 +309,13 @@ def lower_per_shard_map(ctx, args, eqn, mesh, proposed: bool = False):
     shard, _ = _plan.local_equation(eqn, factors, p, axis_sizes, in_shapes)
     want = p.result_specs if proposed else [_plan.spec_of(a) for a in ctx.avals_out]
     whole = _shardmap.build(lambda *blocks: bind(shard, blocks), mesh, p,
-                            out_avals=shard.out_avals(), once=not eqn.declared, have=specs,
+                            out_avals=shard.out_avals, once=not eqn.declared, have=specs,
                             want=want, explicit=not proposed)
     # Lowered inside an eager vmap (of a jit), the map still covers the whole mesh.
     with _compat.outside_vmap_axes():
         return _compat.mlir.lower_fun(whole, multiple_results=True)(ctx, *args)
+
+
+# The primitive's lowering on CPU: registered here, where it is defined (importing
+# jaxdecl imports this module).
+_compat.mlir.register_lowering(jaxdecl_p, lower, platform="cpu")

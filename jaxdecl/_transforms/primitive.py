@@ -1,12 +1,15 @@
 """The JAX primitive every jaxdecl op binds: abstract evaluation and eager evaluation.
 
-A single primitive, ``jaxdecl_call`` (:data:`jaxdecl._op.equation.jaxdecl_p`),
+A single primitive, ``jaxdecl_call`` (:data:`jaxdecl_p`, bound by :func:`bind`),
 stands for every rule of every op; its one parameter, ``equation``, is an
 :class:`~jaxdecl._op.equation.Equation` saying which. This module gives it its
-types (abstract evaluation, shardings included) and its eager evaluation, and
-registers the lowering of :mod:`jaxdecl._transforms.lowering`. Differentiation and
-batching rules live in :mod:`jaxdecl._transforms.autodiff` and :mod:`jaxdecl._transforms.batching`,
-which register themselves on the same primitive.
+types (abstract evaluation, shardings included), its eager evaluation, and
+the evaluation of traceable (JAX-valued) rules under the equation's batch
+dims (:func:`broadcast_vmapped`). The lowering
+(:mod:`jaxdecl._transforms.lowering`), differentiation
+(:mod:`jaxdecl._transforms.autodiff`) and batching
+(:mod:`jaxdecl._transforms.batching`) register themselves on the same
+primitive.
 
 Example:
     >>> import jax, jax.numpy as jnp, jaxdecl as jd
@@ -25,22 +28,60 @@ from __future__ import annotations
 
 import math
 
+import jax
 import numpy as np
 from jax.core import ShapedArray
 
 from .. import _compat
-from .._op.equation import jaxdecl_p
+from .._op.equation import Equation
 from .._sharded import plan as _plan
 from .._sharded import strategy as _strategy
 from .._sharded.strategy import Strategy
 from . import eager as _eager
-from . import lowering as _lowering
-from .lowering import broadcast_vmapped, mesh_of
+
+#: The one primitive every rule of every op binds; its parameter is an Equation.
+jaxdecl_p = _compat.Primitive("jaxdecl_call")
+jaxdecl_p.multiple_results = True
+
+
+_insert_reshards = _compat.insert_reshards  # JAX's own function: every bind calls it
+
+
+def bind(eqn: Equation, operands) -> list:
+    """Binds `eqn` on JAX values (or tracers); returns its results."""
+    # Inside shard_map, operands that vary over fewer manual axes than others are
+    # cast (pvary) first; transposed, that sums a replicated input's gradient.
+    return jaxdecl_p.bind(*_insert_reshards(*operands), equation=eqn)
+
+
+def broadcast_vmapped(function, batch: tuple):
+    """Applies a traceable rule to operands with leading (maybe size-1) batch dims."""
+    if not batch:
+        return function
+
+    def batched(*operands):
+        full = [jax.numpy.broadcast_to(x, batch + tuple(x.shape[len(batch):]))
+                for x in operands]
+        mapped = function
+        for _ in batch:
+            mapped = jax.vmap(mapped)
+        return mapped(*full)
+
+    return batched
+
+
+def mesh_of(avals):
+    """The (abstract) mesh the operands' types refer to, or None."""
+    for aval in avals:
+        mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty:
+            return mesh
+    return None
 
 
 def _impl(*args, equation):
-    eqn = equation
     """Eager evaluation (e.g. inside an un-jitted jax.jvp), through the shared executable."""
+    eqn = equation
     traceable = eqn.traceable()
     if traceable is not None:
         return broadcast_vmapped(traceable, eqn.batch)(*args)
@@ -48,7 +89,7 @@ def _impl(*args, equation):
     if _eager.spans_devices(args):
         return list(_eager.run_sharded(eqn, args))
     kernel, pin = eqn.kernel(tuple(tuple(np.shape(x)) for x in args))
-    results = _eager.run(_eager.Call(kernel, eqn.out_avals(), single=False), args)
+    results = _eager.run(_eager.Call(kernel, eqn.out_avals, single=False), args)
     del pin  # held until here: the kernel's op stays alive for the call
     return list(results)
 
@@ -58,7 +99,7 @@ def _abstract_eval(*avals, equation):
     io = eqn.io
     if len(avals) != len(io.in_names):  # pragma: no cover - internal invariant
         raise ValueError(f"{eqn}: got {len(avals)} operands, expected {len(io.in_names)}")
-    shapes = eqn.out_avals()
+    shapes = eqn.out_avals
     mesh = mesh_of(avals)
     if mesh is None:
         return [ShapedArray(shape, dtype) for shape, dtype in shapes]
@@ -81,9 +122,9 @@ def _abstract_eval(*avals, equation):
         return whole()
     # The types carry shardings (Explicit axes): the results' follow from the
     # strategy the lowering will take, and its plan.
-    strategy = _strategy.choose(_strategy.facts(
+    strategy = _strategy.decide(
         devices=math.prod(dict(mesh.shape).values()), declared=eqn.declared,
-        explicit=_compat.has_explicit_axes(mesh)))
+        explicit=_compat.has_explicit_axes(mesh))
     shapes_in = tuple(tuple(a.shape) for a in avals)
     if strategy is Strategy.DIRECT:
         # (an op without a declaration, on a JAX that cannot run it once: every
@@ -99,4 +140,3 @@ def _abstract_eval(*avals, equation):
 jaxdecl_p.def_impl(_impl)
 _compat.requires_devices_when_lowering(jaxdecl_p)
 jaxdecl_p.def_abstract_eval(_abstract_eval)
-_compat.mlir.register_lowering(jaxdecl_p, _lowering.lower, platform="cpu")

@@ -29,7 +29,8 @@ from .._errors import ExportError
 from .._host.registry import SPLIT_TARGET, TARGET
 from .._op.configuration import Unsaveable, configuration, decode, encode, find, restore
 from .._op.equation import Equation
-from .._op.handle import BoundOp, handle_of
+from .._op.handle import BoundOp
+from .._op.identity import handle_of
 from .._spec.layout import TreeAval
 from .._version import __version__ as VERSION
 
