@@ -247,97 +247,119 @@ def _operand_aval(x):
 
 
 def transpose_rule(cts, *operands, equation):
+    """JAX's transpose of an equation: which rule transposes it is each step's below."""
     eqn = equation
-    op, rule, wrt, batch = eqn.op, eqn.rule, eqn.wrt, eqn.batch
-    spec = op.spec
-    layout = eqn.layout
-    n = len(layout.inputs)
     undefined = [k for k, x in enumerate(operands) if _compat.is_undefined_primal(x)]
-    out_cts = [None] * len(operands)
-    float_cts = [cts[j] for j in range(len(cts))
-                 if rule != FORWARD or layout.float_out[j]]
+    float_cts = [c for c, f in zip(cts, eqn.layout.float_out) if f] if eqn.rule == FORWARD \
+        else list(cts)
     if all(_is_zero(c) for c in float_cts):
-        for k in undefined:
-            out_cts[k] = Zero(operands[k].aval)
-        return out_cts
+        return [Zero(operands[k].aval) if k in undefined else None
+                for k in range(len(operands))]
     float_cts = [_compat.instantiate_zeros(c) for c in float_cts]
-
-    def defined(ks):
-        return [operands[k] for k in ks]
-
-    if rule == FORWARD and spec.linear:
-        lead = [i for i in range(n) if not layout.diff[i]]
-        if any(k in undefined for k in lead):
-            raise ValueError(f"{spec.name}: a nondiff input cannot be transposed")
-        results = bind(eqn.with_rule(TRANSPOSE), defined(lead) + float_cts)
-        for i, r in zip(layout.diff_indices, results):
-            if i in undefined:
-                out_cts[i] = r
-    elif rule == FORWARD and spec.multilinear:
-        if len(undefined) != 1:
-            raise ValueError(
-                f"{spec.name} is multilinear: it is linear in one input at a time, but "
-                f"{len(undefined)} inputs were transposed together"
-            )
-        i = undefined[0]
-        others = [k for k in range(n) if k != i]
-        out_cts[i] = bind(eqn.with_rule(TRANSPOSE_WRT, i), defined(others) + float_cts)[0]
-    elif rule == FORWARD:  # pragma: no cover - JAX only transposes linear equations
-        raise ValueError(f"{spec.name} is not linear; its forward cannot be transposed")
-    elif rule in (JVP, VJP):
-        # jvp and vjp transpose into each other; the extras (outputs, residuals) pass along.
-        other = VJP if rule == JVP else JVP
-        xs = defined(range(n))
-        extras = defined(range(len(operands) - eqn.io.n_extra, len(operands)))
-        args = xs + float_cts + extras
-        inline = eqn.traceable(other)
-        if inline is not None:
-            results = broadcast_vmapped(inline, batch)(*args)
-        elif other in spec.rules:
-            results = bind(eqn.with_rule(other), args)
-        else:
-            raise missing_rule(spec, other)
-        for k, r in zip(range(n, len(operands)), results):
-            out_cts[k] = r
-    elif rule == TRANSPOSE:
-        lead = [i for i in range(n) if not layout.diff[i]]
-        args = [None] * n
-        for position, i in enumerate(lead):
-            args[i] = operands[position]
-        for i, c in zip(layout.diff_indices, float_cts):
-            args[i] = c
-        results = bind(eqn.with_rule(FORWARD), args)
-        float_results = [r for r, f in zip(results, layout.float_out) if f]
-        for k, r in zip(range(len(lead), len(operands)), float_results):
-            out_cts[k] = r
-    else:  # TRANSPOSE_WRT: multilinear in (other differentiable inputs, cotangents)
-        others = [i for i in range(n) if i != wrt]
-        if len(undefined) > 0 and all(k >= n - 1 for k in undefined):
-            # w.r.t. the cotangents: the forward with input `wrt` set to ct
-            args = [None] * n
-            for position, i in enumerate(others):
-                args[i] = operands[position]
-            args[wrt] = float_cts[0]
-            results = bind(eqn.with_rule(FORWARD), args)
-            float_results = [r for r, f in zip(results, layout.float_out) if f]
-            for k, r in zip(range(n - 1, len(operands)), float_results):
-                if k in undefined:
-                    out_cts[k] = r
-        elif len(undefined) == 1:
-            position = undefined[0]
-            j = others[position]
-            args = [None] * n
-            for p, i in enumerate(others):
-                args[i] = operands[p]
-            args[wrt] = float_cts[0]
-            rest = [args[i] for i in range(n) if i != j]
-            cts_in = [operands[k] for k in range(n - 1, len(operands))]
-            out_cts[position] = bind(eqn.with_rule(TRANSPOSE_WRT, j), rest + cts_in)[0]
-        else:
-            raise ValueError(f"{spec.name}: a multilinear transpose was transposed in "
-                             f"{len(undefined)} operands at once")
+    step = _TRANSPOSES[eqn.rule]
+    if eqn.rule == FORWARD:
+        step = _transpose_linear if eqn.spec.linear else _transpose_multilinear
+    out_cts = step(eqn, operands, undefined, float_cts)
     return [_typed_like(_fit(c, _operand_aval(operands[k])), _operand_aval(operands[k]))
             if k in undefined else None for k, c in enumerate(out_cts)]
+
+
+def _inputs(n: int, **placed) -> list:
+    """The op's `n` inputs (for a forward or a transpose_wrt equation): values placed at
+    their input positions, given as ``positions=values`` pairs of sequences."""
+    args = [None] * n
+    for positions, values in placed.values():
+        for i, value in zip(positions, values):
+            args[i] = value
+    return args
+
+
+def _from(start: int, results, count: int) -> list:
+    """`count` cotangents: `results` from operand `start` on, None elsewhere."""
+    out_cts = [None] * count
+    for k, result in zip(range(start, count), results):
+        out_cts[k] = result
+    return out_cts
+
+
+def _transpose_linear(eqn, operands, undefined, float_cts) -> list:
+    """forward of a linear op -> its transpose, given the non-differentiable inputs."""
+    layout, out_cts = eqn.layout, [None] * len(operands)
+    lead = [i for i in range(len(layout.inputs)) if not layout.diff[i]]
+    if any(k in undefined for k in lead):
+        raise ValueError(f"{eqn.name}: a nondiff input cannot be transposed")
+    results = bind(eqn.with_rule(TRANSPOSE), [operands[k] for k in lead] + float_cts)
+    for i, r in zip(layout.diff_indices, results):
+        if i in undefined:
+            out_cts[i] = r
+    return out_cts
+
+
+def _transpose_multilinear(eqn, operands, undefined, float_cts) -> list:
+    """forward of a multilinear op -> its transpose w.r.t. the one undefined input."""
+    if len(undefined) != 1:
+        raise ValueError(f"{eqn.name} is multilinear: it is linear in one input at a time, "
+                         f"but {len(undefined)} inputs were transposed together")
+    i, out_cts = undefined[0], [None] * len(operands)
+    others = [operands[k] for k in range(len(eqn.layout.inputs)) if k != i]
+    out_cts[i] = bind(eqn.with_rule(TRANSPOSE_WRT, i), others + float_cts)[0]
+    return out_cts
+
+
+def _transpose_derivative(eqn, operands, undefined, float_cts) -> list:
+    """jvp and vjp transpose into each other; the extras (outputs, residuals) pass along."""
+    n, other = len(eqn.layout.inputs), VJP if eqn.rule == JVP else JVP
+    extras = list(operands[len(operands) - eqn.io.n_extra:])
+    args = list(operands[:n]) + float_cts + extras
+    inline = eqn.traceable(other)
+    if inline is not None:
+        results = broadcast_vmapped(inline, eqn.batch)(*args)
+    elif other in eqn.spec.rules:
+        results = bind(eqn.with_rule(other), args)
+    else:
+        raise missing_rule(eqn.spec, other)
+    return _from(n, results, len(operands))
+
+
+def _transpose_of_transpose(eqn, operands, undefined, float_cts) -> list:
+    """transpose -> the forward, with the cotangents as its differentiable inputs."""
+    layout = eqn.layout
+    lead = [i for i in range(len(layout.inputs)) if not layout.diff[i]]
+    args = _inputs(len(layout.inputs), lead=(lead, operands), diff=(layout.diff_indices,
+                                                                      float_cts))
+    results = bind(eqn.with_rule(FORWARD), args)
+    return _from(len(lead), [r for r, f in zip(results, layout.float_out) if f], len(operands))
+
+
+def _transpose_of_transpose_wrt(eqn, operands, undefined, float_cts) -> list:
+    """transpose_wrt is multilinear in (the other differentiable inputs, the cotangents):
+    w.r.t. the cotangents, the forward with input `wrt` set to ct; w.r.t. another input
+    j, the transpose w.r.t. j with `wrt` set to ct."""
+    n, wrt, layout = len(eqn.layout.inputs), eqn.wrt, eqn.layout
+    others = [i for i in range(n) if i != wrt]
+    args = _inputs(n, others=(others, operands), wrt=((wrt,), float_cts[:1]))
+    out_cts = [None] * len(operands)
+    if undefined and all(k >= n - 1 for k in undefined):
+        results = bind(eqn.with_rule(FORWARD), args)
+        float_results = [r for r, f in zip(results, layout.float_out) if f]
+        for k, r in zip(range(n - 1, len(operands)), float_results):
+            if k in undefined:
+                out_cts[k] = r
+    elif len(undefined) == 1:
+        position = undefined[0]
+        j = others[position]
+        rest = [args[i] for i in range(n) if i != j]
+        cts_in = list(operands[n - 1:])
+        out_cts[position] = bind(eqn.with_rule(TRANSPOSE_WRT, j), rest + cts_in)[0]
+    else:
+        raise ValueError(f"{eqn.name}: a multilinear transpose was transposed in "
+                         f"{len(undefined)} operands at once")
+    return out_cts
+
+
+_TRANSPOSES = {FORWARD: None, JVP: _transpose_derivative, VJP: _transpose_derivative,
+               TRANSPOSE: _transpose_of_transpose,
+               TRANSPOSE_WRT: _transpose_of_transpose_wrt}
 
 
 def _typed_like(ct, aval):
