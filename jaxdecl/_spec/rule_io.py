@@ -204,7 +204,8 @@ def _rule_io(spec, layout: Layout, rule: str, wrt: int) -> RuleIO:
 def check_traced(spec, layout, rule_kind: str, wrt: int, io) -> None:
     """Checks a rule's arity at the input types of one trace (counts that depend on dtypes).
 
-    `io` is the rule's :class:`~jaxdecl._spec.layout.RuleIO`: one argument per group.
+    `io` is the rule's :class:`RuleIO`: one argument per group. A mismatch is a
+    DeclarationError naming the rule and the signature it should have.
     """
     if rule_kind == FORWARD:
         return  # named like @abstract, checked when the class was created
@@ -215,59 +216,58 @@ def check_traced(spec, layout, rule_kind: str, wrt: int, io) -> None:
     else:
         rule = spec.rules.get(rule_kind)
     found = None if rule is None else parameters(rule.function)
-    if found is None or found.varargs:
-        return
-    given = len(found.positional) - 1
-    wanted = len(io.args)
-    if given == wanted:
+    if found is None or found.varargs or len(found.positional) - 1 == len(io.args):
         return
     # Which inputs (outputs) carry a tangent (cotangent) at these types.
     with_tangent = [spec.params[k] for k, g in enumerate(layout.in_groups)
                     if any(layout.diff[s] for s in g.slots)]
-    without = [p for p in spec.params if p not in with_tangent]
-    outputs = [k for k, g in enumerate(layout.out_groups)
-               if any(layout.float_out[s] for s in g.slots)]
-    cts = ["ct"] if len(outputs) == 1 else [f"ct{k}" for k in outputs]
-    ints = [p for p in without if p not in spec.nondiff]
-    int_note = ""
-    if ints:
-        int_note = (f"; {', '.join(ints)} is an integer input here, which takes no tangent"
-                    if len(ints) == 1 else
-                    f"; {', '.join(ints)} are integer inputs here, which take no tangent")
-    if rule_kind == JVP:
-        expected = list(spec.params) + ["d" + p for p in with_tangent]
-        why = (f"the op's inputs ({', '.join(spec.params)}), then one tangent per input "
-               f"with a floating or complex value not in nondiff= ({', '.join(with_tangent)})"
-               f"{int_note}")
-    elif rule_kind == VJP:
-        expected = list(spec.params) + cts
-        why = (f"the op's inputs ({', '.join(spec.params)}), then one cotangent per "
-               f"floating or complex output ({len(outputs)} here)")
-    elif rule_kind == TRANSPOSE:
-        # A transpose that names a floating input as a leading parameter almost
-        # always means an input the op is not linear in (coordinates): nondiff=.
-        named = [p for p in found.positional[1:] if p in with_tangent]
-        if named and len(with_tangent) > len(named):
-            listed = ", ".join(repr(p) for p in named)
-            raise DeclarationError(
-                f"{spec.name}.{rule.name} ({decorator_label(rule)}) takes {listed}, "
-                f"{'a floating input' if len(named) == 1 else 'floating inputs'} of "
-                f"{spec.name} that jaxdecl differentiates: a linear op's transpose receives "
-                f"only the inputs it is not linear in. Declare "
-                f"{'it' if len(named) == 1 else 'them'} non-differentiable: "
-                f"`class {spec.name}(jd.Primitive, linear=True, "
-                f"nondiff=({', '.join(repr(p) for p in named)},))` (or "
-                f"@jd.primitive(..., nondiff=...)); if {spec.name} is linear in "
-                f"{'it' if len(named) == 1 else 'them'}, drop "
-                f"{'it' if len(named) == 1 else 'them'} from the signature")
-        expected = without + cts
-        why = (f"the inputs without a tangent ({', '.join(without) or 'none'}), then one "
-               f"cotangent per floating or complex output ({len(outputs)} here)")
-    else:
-        expected = [p for p in spec.params if p != spec.params[wrt]] + cts
-        why = (f"every input but {spec.params[wrt]!r}, then one cotangent per floating or "
-               f"complex output ({len(outputs)} here)")
+    if rule_kind == TRANSPOSE:
+        _refuse_differentiated_leads(spec, rule, found, with_tangent)
+    expected, why = _expected_arguments(spec, layout, rule_kind, wrt, with_tangent)
     raise DeclarationError(
         f"{spec.name}.{rule.name} ({decorator_label(rule)}) takes "
         f"({', '.join(found.positional)}), but at these input types jaxdecl passes {why}: "
         f"{suggested_def(rule, expected)}")
+
+
+def _expected_arguments(spec, layout, rule_kind: str, wrt: int, with_tangent: list) -> tuple:
+    """``(names, why)``: the arguments jaxdecl passes a rule at these types, and in words."""
+    without = [p for p in spec.params if p not in with_tangent]
+    outputs = [k for k, g in enumerate(layout.out_groups)
+               if any(layout.float_out[s] for s in g.slots)]
+    cts = ["ct"] if len(outputs) == 1 else [f"ct{k}" for k in outputs]
+    per_output = f"one cotangent per floating or complex output ({len(outputs)} here)"
+    if rule_kind == JVP:
+        ints = [p for p in without if p not in spec.nondiff]
+        note = "" if not ints else (
+            f"; {', '.join(ints)} is an integer input here, which takes no tangent"
+            if len(ints) == 1 else
+            f"; {', '.join(ints)} are integer inputs here, which take no tangent")
+        return list(spec.params) + ["d" + p for p in with_tangent], (
+            f"the op's inputs ({', '.join(spec.params)}), then one tangent per input with a "
+            f"floating or complex value not in nondiff= ({', '.join(with_tangent)}){note}")
+    if rule_kind == VJP:
+        return list(spec.params) + cts, (
+            f"the op's inputs ({', '.join(spec.params)}), then {per_output}")
+    if rule_kind == TRANSPOSE:
+        return without + cts, (
+            f"the inputs without a tangent ({', '.join(without) or 'none'}), then {per_output}")
+    return [p for p in spec.params if p != spec.params[wrt]] + cts, (
+        f"every input but {spec.params[wrt]!r}, then {per_output}")
+
+
+def _refuse_differentiated_leads(spec, rule, found, with_tangent: list) -> None:
+    """A transpose that takes a floating input as a leading parameter: almost always an
+    input the op is not linear in (coordinates), which nondiff= declares."""
+    named = [p for p in found.positional[1:] if p in with_tangent]
+    if not named or len(with_tangent) <= len(named):
+        return
+    listed = ", ".join(repr(p) for p in named)
+    it = "it" if len(named) == 1 else "them"
+    raise DeclarationError(
+        f"{spec.name}.{rule.name} ({decorator_label(rule)}) takes {listed}, "
+        f"{'a floating input' if len(named) == 1 else 'floating inputs'} of {spec.name} that "
+        f"jaxdecl differentiates: a linear op's transpose receives only the inputs it is not "
+        f"linear in. Declare {it} non-differentiable: `class {spec.name}(jd.Primitive, "
+        f"linear=True, nondiff=({listed},))` (or @jd.primitive(..., nondiff=...)); if "
+        f"{spec.name} is linear in {it}, drop {it} from the signature")
