@@ -1,6 +1,6 @@
 """Calling an op: ``op(*args)`` staged into a trace, or run now.
 
-An op's arguments become flat JAX operands and a signature (``primals``:
+An op's arguments become flat JAX operands and a signature (``signature``:
 pytree arguments contribute their leaves); under any trace the forward
 equation is bound, outside one it runs through the shared eager executable of
 its signature, or by the strategy :mod:`jaxdecl._transforms.eager` chooses for arrays
@@ -65,13 +65,13 @@ _LEAVES = (_compat.Tracer, jax.Array, np.ndarray, np.generic, int, float, comple
 
 
 def flatten_inputs(spec, args) -> tuple:
-    """``(operands, primals)``: the op's arguments as flat JAX arrays, and its signature.
+    """``(operands, signature)``: the op's arguments as flat JAX arrays, and its signature.
 
     An array (or scalar) argument is one operand with a ``(shape, dtype)``
     entry; a pytree argument contributes its leaves, with a
     :class:`~jaxdecl._spec.layout.TreeAval` entry that remembers its structure.
     """
-    operands, primals = [], []
+    operands, signature = [], []
     for value, name in zip(args, spec.params):
         # None (an empty pytree) and lone leaves (a string, a callable) get
         # _as_operand's error; arrays and scalars are converted directly.
@@ -80,7 +80,7 @@ def flatten_inputs(spec, args) -> tuple:
         if tree is None or jax.tree_util.treedef_is_leaf(tree):
             operand = _as_operand(value, spec, name)
             operands.append(operand)
-            primals.append((tuple(operand.shape), operand.dtype))
+            signature.append((tuple(operand.shape), operand.dtype))
             continue
         paths = None
         avals = []
@@ -94,8 +94,8 @@ def flatten_inputs(spec, args) -> tuple:
                 leaf = _as_operand(leaf, spec, name)
             operands.append(leaf)
             avals.append((tuple(leaf.shape), leaf.dtype))
-        primals.append(_layout.TreeAval(tree, tuple(avals)))
-    return operands, tuple(primals)
+        signature.append(_layout.TreeAval(tree, tuple(avals)))
+    return operands, tuple(signature)
 
 
 def rebuild(groups, single: bool, outs):
@@ -106,8 +106,8 @@ def rebuild(groups, single: bool, outs):
 
 def bind_forward(op: BoundOp, args) -> object:
     """Binds the forward rule on JAX values; returns its result(s) as @abstract declared."""
-    operands, primals = flatten_inputs(op.spec, args)
-    eqn = Equation(op, FORWARD, primals)
+    operands, signature = flatten_inputs(op.spec, args)
+    eqn = Equation(op, FORWARD, signature)
     layout = eqn.layout
     if eqn.declared:
         eqn.sharding()  # a declaration that does not fit the inputs fails here, named
@@ -119,8 +119,8 @@ def bind_forward(op: BoundOp, args) -> object:
 
 def _run_sharded(handle: OpHandle, instance, args):
     """Runs the op now on arguments that span several devices (see _eager.run_sharded)."""
-    operands, primals = flatten_inputs(handle.spec, args)
-    eqn = Equation(BoundOp(handle, instance), FORWARD, primals)
+    operands, signature = flatten_inputs(handle.spec, args)
+    eqn = Equation(BoundOp(handle, instance), FORWARD, signature)
     layout = eqn.layout
     if eqn.declared:  # a declaration that does not fit fails here, named
         eqn.sharding()
@@ -139,22 +139,22 @@ def _eager_call(handle: OpHandle, instance, args) -> tuple:
     Converts NumPy arrays and scalars to JAX arrays; the call is cached on the
     handle by the operands' (shape, dtype), which is what :func:`apply_op` looks up.
     """
-    operands, primals = flatten_inputs(handle.spec, args)
-    call = handle.eager_calls.get(primals)
+    operands, signature = flatten_inputs(handle.spec, args)
+    call = handle.eager_calls.get(signature)
     pin = call.kernel.pin() if call is not None else None
     if pin is None:
-        layout = handle.layout(primals, instance)
+        layout = handle.layout(signature, instance)
         if handle.declares_sharding:  # a declaration that does not fit fails here, named
-            handle.sharding(primals, instance)
+            handle.sharding(signature, instance)
         in_shapes = tuple(shape for shape, _ in layout.inputs)
-        kernel, pin = handle.kernel((FORWARD, -1, primals, ()), in_shapes, instance)
+        kernel, pin = handle.kernel((FORWARD, -1, signature, ()), in_shapes, instance)
         if layout.structured:
             call = _eager.Call(kernel, layout.outputs, False,
                                rebuild=lambda outs, groups=layout.out_groups,
                                single=layout.single_output: rebuild(groups, single, outs))
         else:
             call = _eager.Call(kernel, layout.outputs, layout.single_output)
-        handle.eager_calls[primals] = call
+        handle.eager_calls[signature] = call
     return call, operands, pin
 
 

@@ -89,11 +89,11 @@ def check(op, *args, rtol: float | None = None, seed: int = 0) -> None:
     """
     spec = spec_of(op)
     rng = np.random.default_rng(seed)
-    operands, primals = flatten_inputs(spec, args)
+    operands, signature = flatten_inputs(spec, args)
     # The checks work on flat leaves; `call` rebuilds the op's pytree arguments.
     leaves = [np.asarray(x) for x in operands]
     tree = jax.tree_util.tree_structure(tuple(args))
-    layout = _layout.compute_layout(spec, op, primals)
+    layout = _layout.compute_layout(spec, op, signature)
     dtypes = [d for _, d in layout.inputs] + [d for _, d in layout.outputs]
     dot_rtol = rtol if rtol is not None else _lowest(dtypes, _DOT_RTOL, 1e-8)
     fd_rtol = rtol if rtol is not None else _lowest(dtypes, _FD_RTOL, 1e-5)
@@ -106,13 +106,13 @@ def check(op, *args, rtol: float | None = None, seed: int = 0) -> None:
     if any(layout.diff) and any(layout.float_out):
         _check_derivatives(spec, leaves, layout, rng, dot_rtol, fd_rtol, call)
     _check_vmap(spec, leaves, dot_rtol, call)
-    resolved = handle_of(op).sharding(primals, op)
+    resolved = handle_of(op).sharding(signature, op)
     if resolved is not None:
         _check_sharding(spec, leaves, layout, resolved, eager, dot_rtol, call)
         if resolved.saved is not None:
             def residuals_of(flat):  # what the forward keeps when a derivative follows
-                operands, primals = flatten_inputs(spec, tree.unflatten(list(flat)))
-                kept = bind(Equation(BoundOp(handle_of(op), op), FORWARD_SAVING, primals),
+                operands, signature = flatten_inputs(spec, tree.unflatten(list(flat)))
+                kept = bind(Equation(BoundOp(handle_of(op), op), FORWARD_SAVING, signature),
                             operands)
                 return [np.asarray(r) for r in kept[len(layout.outputs):]]
 

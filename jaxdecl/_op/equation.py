@@ -8,7 +8,7 @@ differentiation, batching, planning and lowering to the kernel:
 - ``rule``: ``forward``, ``forward_saving``, ``jvp``, ``vjp``, ``transpose`` or
   ``transpose_wrt`` (operand orders in :mod:`jaxdecl._spec.layout`);
 - ``wrt``: the input index of a multilinear ``transpose_wrt`` (else -1);
-- ``primals``: per primal input, its (shape, dtype) per batch element, or a
+- ``signature``: per primal input, its (shape, dtype) per batch element, or a
   :class:`~jaxdecl._spec.layout.TreeAval` for a pytree input;
 - ``batch``: leading batch dims every operand and result carries (operands may
   have size 1 there, broadcasting; results never do).
@@ -29,7 +29,7 @@ Example:
     ...         return -x
     >>> jaxpr = jax.make_jaxpr(Neg())(jnp.ones(2))  # one jaxdecl_call equation
     >>> eqn = jaxpr.eqns[0].params["equation"]
-    >>> eqn.rule, eqn.primals[0][0], eqn.with_rule("jvp").rule
+    >>> eqn.rule, eqn.signature[0][0], eqn.with_rule("jvp").rule
     ('forward', (2,), 'jvp')
 """
 
@@ -40,7 +40,7 @@ from typing import Protocol
 
 from .. import _compat
 from .._spec import factors as _factors
-from .._spec.layout import Layout, primal_leaves
+from .._spec.layout import Layout, signature_leaves
 from .._spec.rule_io import RuleIO
 
 
@@ -63,7 +63,7 @@ class OpHandleLike(Protocol):
 
     def layout_and_io(self, key: tuple, instance) -> tuple[Layout, RuleIO]: ...
     def user_rule(self, rule: str, wrt: int = -1): ...
-    def sharding(self, primals: tuple, instance): ...
+    def sharding(self, signature: tuple, instance): ...
     def kernel(self, key: tuple, in_shapes: tuple, instance) -> tuple: ...
     def traceable(self, key: tuple, instance): ...
 
@@ -76,19 +76,19 @@ class Equation:
     (``io``), the op's layout at this signature, the results' avals.
     """
 
-    __slots__ = ("op", "rule", "wrt", "primals", "batch", "key", "spec", "name", "declared",
+    __slots__ = ("op", "rule", "wrt", "signature", "batch", "key", "spec", "name", "declared",
                  "layout", "io", "out_avals", "_hash", "__weakref__")
 
-    def __init__(self, op: EquationOp, rule: str, primals: tuple, batch: tuple = (),
+    def __init__(self, op: EquationOp, rule: str, signature: tuple, batch: tuple = (),
                  wrt: int = -1):
         self.op = op
         self.rule = rule
         self.wrt = wrt
-        self.primals = primals
+        self.signature = signature
         self.batch = batch = tuple(batch)
         #: The equation without its op: the key of the caches the op's own handle
         #: holds (a handle keying by the whole equation would hold its own op alive).
-        self.key = key = (rule, wrt, primals, batch)
+        self.key = key = (rule, wrt, signature, batch)
         self._hash = hash((op.identity,) + key)
         self.spec = op.spec
         self.name = op.spec.name  # the op's class name, for messages
@@ -118,11 +118,11 @@ class Equation:
 
     def with_rule(self, rule: str, wrt: int = -1) -> Equation:
         """The equation of another rule of the same op, at the same shapes."""
-        return Equation(self.op, rule, self.primals, self.batch, wrt)
+        return Equation(self.op, rule, self.signature, self.batch, wrt)
 
-    def with_shapes(self, primals: tuple, batch: tuple) -> Equation:
+    def with_shapes(self, signature: tuple, batch: tuple) -> Equation:
         """The same rule at other shapes (one more batch dim, a shard's block)."""
-        return Equation(self.op, self.rule, primals, batch, self.wrt)
+        return Equation(self.op, self.rule, signature, batch, self.wrt)
 
     # --- what the op's handle knows about this equation --------------------------------
 
@@ -141,7 +141,7 @@ class Equation:
         found = self.spec.rules.get(self.rule if rule is None else rule)
         if found is None or not found.traceable:  # most rules: asked without the handle
             return None
-        key = self.key if rule is None else (rule, -1, self.primals, self.batch)
+        key = self.key if rule is None else (rule, -1, self.signature, self.batch)
         return self.op.handle.traceable(key, self.op.instance)
 
     def kernel(self, in_shapes: tuple) -> tuple:
@@ -150,7 +150,7 @@ class Equation:
 
     def sharding(self):
         """The op's sharding declaration applied to this signature (None: it declares none)."""
-        return self.op.handle.sharding(self.primals, self.op.instance)
+        return self.op.handle.sharding(self.signature, self.op.instance)
 
     def factors(self, operand_shapes: tuple) -> _factors.RuleFactors:
         """Every dim of every operand and result named by a factor.
@@ -164,7 +164,7 @@ class Equation:
                                          self.batch, operand_shapes)
         return undeclared_factors(self.batch, operand_shapes,
                                   [s for s, _ in self.out_avals],
-                                  [s for s, _ in primal_leaves(self.primals)])
+                                  [s for s, _ in signature_leaves(self.signature)])
 
 
 def undeclared_factors(batch: tuple, operand_shapes, result_shapes, input_shapes):

@@ -74,9 +74,9 @@ class OpHandle:
         #: equation key -> (Layout, RuleIO): read by every Equation as it is made
         self.equations: dict = {}
         self._kernels: dict = {}
-        self._shardings: dict = {}  # primals -> _factors.Resolved or None
+        self._shardings: dict = {}  # signature -> _factors.Resolved or None
         self.declares_sharding = spec.sharding is not None or "sharding" in spec.rules
-        self.eager_calls: dict = {}  # primals -> _eager.Call
+        self.eager_calls: dict = {}  # signature -> _eager.Call
         self.sharded_calls: dict = {}  # see _eager.sharded_call -> _eager.Call
         self.gather_warned: set = set()  # equations warned about (see _plan.warn_gathers)
         self.split_checked: set = set()  # equations whose split @abstract agrees (lower_split)
@@ -85,11 +85,11 @@ class OpHandle:
     def __repr__(self) -> str:
         return self.spec.name
 
-    def layout(self, primals: tuple, instance) -> _layout.Layout:
-        layout = self._layouts.get(primals)
+    def layout(self, signature: tuple, instance) -> _layout.Layout:
+        layout = self._layouts.get(signature)
         if layout is None:
-            layout = _layout.compute_layout(self.spec, instance, primals)
-            self._layouts[primals] = layout
+            layout = _layout.compute_layout(self.spec, instance, signature)
+            self._layouts[signature] = layout
         return layout
 
     def layout_and_io(self, key: tuple, instance) -> tuple:
@@ -111,26 +111,26 @@ class OpHandle:
         """
         io = self._rule_ios.get(key)
         if io is None:
-            rule, wrt, primals, _ = key
-            layout = self.layout(primals, instance)
+            rule, wrt, signature, _ = key
+            layout = self.layout(signature, instance)
             io = _rule_io.rule_io(self.spec, layout, rule, wrt)
             self._rule_ios[key] = io
         return io
 
-    def sharding(self, primals: tuple, instance):
-        """The sharding declaration applied to `primals` (None: the op declares none)."""
-        if primals in self._shardings:
-            return self._shardings[primals]
+    def sharding(self, signature: tuple, instance):
+        """The sharding declaration applied to `signature` (None: the op declares none)."""
+        if signature in self._shardings:
+            return self._shardings[signature]
         spec = self.spec
         resolved = None
         if self.declares_sharding:
-            layout = self.layout(primals, instance)
+            layout = self.layout(signature, instance)
             rule = spec.sharding
             if rule is None:
                 rule = _sharding.call_method(spec.rules["sharding"], instance, layout, spec.name)
             resolved = _factors.resolve(rule, layout, spec.params, spec.name,
                                          spec.keeps is not None and spec.keeps.result)
-        self._shardings[primals] = resolved
+        self._shardings[signature] = resolved
         return resolved
 
     def user_rule(self, rule: str, wrt: int = -1):
@@ -171,9 +171,9 @@ class OpHandle:
 
     def kernel_fingerprint(self, key: tuple, in_shapes: tuple) -> tuple:
         """What compiled HLO names the kernel of equation `key` at `in_shapes` by."""
-        rule, wrt, primals, batch = key
+        rule, wrt, signature, batch = key
         return _fingerprint.digest(_KERNEL_ABI, self.fingerprint, rule, str(wrt),
-                                   repr(primals), repr(batch), repr(in_shapes))
+                                   repr(signature), repr(batch), repr(in_shapes))
 
     def traceable(self, key: tuple, instance):
         """The traceable (JAX-valued) form of equation `key`'s jvp/vjp rule as
@@ -190,7 +190,7 @@ class OpHandle:
 
     def _build_kernel(self, key: tuple, in_shapes: tuple, instance):
         spec = self.spec
-        rule, wrt, primals, batch = key
+        rule, wrt, signature, batch = key
         user = self.user_rule(rule, wrt)
         name = f"{spec.name}.{user.name} (@{user.kind})"
         fingerprint = self.kernel_fingerprint(key, in_shapes)
@@ -198,7 +198,7 @@ class OpHandle:
         rows = batch if spec.batch_mode == "loop" else ()
         io = self.rule_io(key, instance)
         # An adjoint's leading operands (the non-differentiable inputs) pass unconjugated.
-        n_lead = len(io.in_names) - sum(self.layout(primals, instance).float_out)
+        n_lead = len(io.in_names) - sum(self.layout(signature, instance).float_out)
         if isinstance(user.function, CFunction):
             return _runtime.register_c(
                 fingerprint, name, user.function, operands=_keyword_rules.c_operands(io),

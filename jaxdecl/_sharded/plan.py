@@ -293,18 +293,18 @@ def check_explicit_sums(name: str, p: Plan) -> None:
 def local_equation(eqn, factors, p: Plan, axis_sizes: dict, operand_shapes) -> tuple:
     """``(equation, operand shapes)`` each device runs under plan `p`.
 
-    Its ``primals`` and ``batch`` are the blocks' (each dim divided by its
+    Its ``signature`` and ``batch`` are the blocks' (each dim divided by its
     split). Raises RuleError when ``@abstract`` on the local shapes disagrees
     with the shapes the declaration implies (the declaration does not fit the op).
     """
     def local(names, shape):
         return tuple(p.local_size(f, n, axis_sizes) for f, n in zip(names, shape))
 
-    local_primals = _layout.with_leaves(eqn.primals, (
+    local_signature = _layout.with_leaves(eqn.signature, (
         (local(names, shape), dtype)
-        for names, (shape, dtype) in zip(factors.inputs, _layout.primal_leaves(eqn.primals))))
+        for names, (shape, dtype) in zip(factors.inputs, _layout.signature_leaves(eqn.signature))))
     local_batch = local(factors.batch, eqn.batch)
-    shard = eqn.with_shapes(local_primals, local_batch)
+    shard = eqn.with_shapes(local_signature, local_batch)
     local_in = tuple(local(names, shape) for names, shape in zip(factors.operands,
                                                                    operand_shapes))
     expected = [local(names, shape) for names, (shape, _) in zip(factors.results,
@@ -315,7 +315,7 @@ def local_equation(eqn, factors, p: Plan, axis_sizes: dict, operand_shapes) -> t
             raise RuleError(
                 f"{eqn.name} ({eqn.rule}): on a shard, @abstract gives {shard.io.out_names[j]} "
                 f"the shape {g}, but the sharding declaration implies {e} (local inputs "
-                f"{[s for s, _ in _layout.primal_leaves(local_primals)]}); the declaration "
+                f"{[s for s, _ in _layout.signature_leaves(local_signature)]}); the declaration "
                 f"does not match the op's shapes")
     return shard, local_in
 

@@ -1,7 +1,7 @@
 """The factors of every rule of an op, from its sharding declaration and one equation.
 
 From a declaration (:mod:`jaxdecl._spec.sharding`), a rule kind and the shapes
-of one equation (``primals`` and ``batch``), name the factor of every dim of
+of one equation (``signature`` and ``batch``), name the factor of every dim of
 every operand and result of that rule. One declaration covers every rule:
 
 - a tangent of input *i*, or a cotangent of output *j*, has the factors of
@@ -140,7 +140,7 @@ class RuleFactors:
     results: tuple  # per result: a factor per dim
     replicate: frozenset
     sizes: dict  # factor -> whole size
-    inputs: tuple  # per primal input: its factors per batch element (for local primals)
+    inputs: tuple  # per primal input: its factors per batch element (for local signature)
     batch: tuple  # the factors of the batch dims, outermost first
 
 

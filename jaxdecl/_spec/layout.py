@@ -2,7 +2,7 @@
 
 jaxdecl emits one JAX primitive, ``jaxdecl_call``, which sees arrays only: an
 input that is a pytree contributes its leaves, in JAX's flattening order. A
-:class:`Layout` is the op at one signature (its ``primals``: per input, its
+:class:`Layout` is the op at one signature (its ``signature``: per input, its
 ``(shape, dtype)`` or a :class:`TreeAval`): the input and output leaves, which
 carry tangents, and how each argument (and result) is rebuilt from flat
 leaves (:class:`Group`). :func:`compute_layout` makes one by asking
@@ -47,7 +47,7 @@ def aval_of(x) -> Aval:
 class TreeAval:
     """The signature of a pytree input: its structure and its leaves' avals.
 
-    An entry of the primitive's ``primals`` parameter; an array input's entry
+    An entry of the primitive's ``signature`` parameter; an array input's entry
     is its plain :data:`Aval`.
     """
 
@@ -55,19 +55,19 @@ class TreeAval:
     leaves: tuple  # Avals
 
 
-def primal_leaves(primals: tuple) -> list:
-    """The Avals of every leaf of `primals` (entries: Avals or TreeAvals), in order."""
+def signature_leaves(signature: tuple) -> list:
+    """The Avals of every leaf of `signature` (entries: Avals or TreeAvals), in order."""
     leaves = []
-    for entry in primals:
+    for entry in signature:
         leaves.extend(entry.leaves if isinstance(entry, TreeAval) else (entry,))
     return leaves
 
 
-def with_leaves(primals: tuple, leaves) -> tuple:
-    """`primals` with its leaves' Avals replaced by `leaves` (same order and count)."""
+def with_leaves(signature: tuple, leaves) -> tuple:
+    """`signature` with its leaves' Avals replaced by `leaves` (same order and count)."""
     leaves = iter(leaves)
     return tuple(TreeAval(e.tree, tuple(next(leaves) for _ in e.leaves))
-                 if isinstance(e, TreeAval) else next(leaves) for e in primals)
+                 if isinstance(e, TreeAval) else next(leaves) for e in signature)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,7 +39,7 @@ def _batch_size(args, dims) -> int:
 
 def batch_rule(args, dims, *, equation):
     eqn = equation
-    op, rule, primals = eqn.op, eqn.rule, eqn.primals
+    op, rule, signature = eqn.op, eqn.rule, eqn.signature
     spec = op.spec
     user = spec.rules.get("batch")
     if user is not None and rule == FORWARD:
@@ -54,7 +54,7 @@ def batch_rule(args, dims, *, equation):
     size = _batch_size(args, dims)
     moved = [jnp.expand_dims(x, 0) if d is not_mapped else jnp.moveaxis(x, d, 0)
              for x, d in zip(args, dims)]
-    outs = bind(eqn.with_shapes(primals, (size,) + eqn.batch), moved)
+    outs = bind(eqn.with_shapes(signature, (size,) + eqn.batch), moved)
     return outs, [0] * len(outs)
 
 

@@ -46,9 +46,9 @@ FORMAT = 1
 #: programs then run only in this process. Exported programs always carry it.
 LARGEST_IMPLICIT = 1 << 20
 
-def _primals_form(primals) -> list:
+def _signature_form(signature) -> list:
     form = []
-    for entry in primals:
+    for entry in signature:
         if isinstance(entry, TreeAval):
             skeleton = jax.tree_util.tree_unflatten(entry.tree, [0] * len(entry.leaves))
             form.append(["tree", encode(skeleton, "", "input"),
@@ -65,7 +65,7 @@ def _restored_tree(skeleton):
     return jax.tree_util.tree_structure(decode(skeleton))
 
 
-def _primals_of(form) -> tuple:
+def _signature_of(form) -> tuple:
     def aval(item):
         return (tuple(item[0]), _dtypes.numpy_dtype(item[1]))
 
@@ -80,7 +80,7 @@ def recipe(eqn, in_shapes: tuple, *, required: bool) -> str:
     path, text = configuration(op.handle, op.instance)
     if path is not None:
         try:
-            primals = _primals_form(eqn.primals)
+            signature = _signature_form(eqn.signature)
         except Unsaveable:
             path, text = None, (f"{eqn.name} takes a pytree input whose node types have no "
                                 f"saved form (only tuples, lists, dicts, named tuples and "
@@ -94,7 +94,8 @@ def recipe(eqn, in_shapes: tuple, *, required: bool) -> str:
         return ""
     return json.dumps({
         "format": FORMAT, "jaxdecl": VERSION, "class": path, "state": "@STATE@",
-        "rule": eqn.rule, "wrt": eqn.wrt, "primals": primals, "batch": list(eqn.batch),
+        # ("primals": the format's name for the signature, kept: format 1 reads it)
+        "rule": eqn.rule, "wrt": eqn.wrt, "primals": signature, "batch": list(eqn.batch),
         "in_shapes": [list(s) for s in in_shapes]}, separators=(",", ":")
     ).replace('"@STATE@"', text)
 
@@ -170,7 +171,7 @@ def resolve(data: bytes) -> tuple:
         except TypeError:  # cannot be weakly referenced: not shared
             pass
     op = BoundOp(handle_of(instance), instance)
-    eqn = Equation(op, fields["rule"], _primals_of(fields["primals"]),
+    eqn = Equation(op, fields["rule"], _signature_of(fields["primals"]),
                    tuple(fields["batch"]), fields["wrt"])
     kernel, _ = eqn.kernel(tuple(tuple(s) for s in fields["in_shapes"]))
     return kernel.slot, instance
