@@ -34,8 +34,8 @@ from ._host import structure as _structure
 from ._op.equation import Equation
 from ._op.handle import BoundOp, OpHandle
 from ._op.identity import check_static, handle_of
-from ._spec import layout as _layout
-from ._spec.layout import FORWARD
+from ._spec import interface as _interface
+from ._spec.interface import FORWARD
 from ._transforms import eager as _eager
 from ._transforms.primitive import bind
 
@@ -69,7 +69,7 @@ def flatten_inputs(spec, args) -> tuple:
 
     An array (or scalar) argument is one operand with a ``(shape, dtype)``
     entry; a pytree argument contributes its leaves, with a
-    :class:`~jaxdecl._spec.layout.TreeAval` entry that remembers its structure.
+    :class:`~jaxdecl._spec.interface.TreeAval` entry that remembers its structure.
     """
     operands, signature = [], []
     for value, name in zip(args, spec.params):
@@ -94,7 +94,7 @@ def flatten_inputs(spec, args) -> tuple:
                 leaf = _as_operand(leaf, spec, name)
             operands.append(leaf)
             avals.append((tuple(leaf.shape), leaf.dtype))
-        signature.append(_layout.TreeAval(tree, tuple(avals)))
+        signature.append(_interface.TreeAval(tree, tuple(avals)))
     return operands, tuple(signature)
 
 
@@ -108,28 +108,28 @@ def bind_forward(op: BoundOp, args) -> object:
     """Binds the forward rule on JAX values; returns its result(s) as @abstract declared."""
     operands, signature = flatten_inputs(op.spec, args)
     eqn = Equation(op, FORWARD, signature)
-    layout = eqn.layout
+    interface = eqn.interface
     if eqn.declared:
         eqn.sharding()  # a declaration that does not fit the inputs fails here, named
     outs = bind(eqn, operands)
-    if layout.structured:
-        return rebuild(layout.out_groups, layout.single_output, outs)
-    return outs[0] if layout.single_output else tuple(outs)
+    if interface.structured:
+        return rebuild(interface.out_groups, interface.single_output, outs)
+    return outs[0] if interface.single_output else tuple(outs)
 
 
 def _run_sharded(handle: OpHandle, instance, args):
     """Runs the op now on arguments that span several devices (see _eager.run_sharded)."""
     operands, signature = flatten_inputs(handle.spec, args)
     eqn = Equation(BoundOp(handle, instance), FORWARD, signature)
-    layout = eqn.layout
+    interface = eqn.interface
     if eqn.declared:  # a declaration that does not fit fails here, named
         eqn.sharding()
     rebuilt = None
-    if layout.structured:
-        rebuilt = lambda outs, groups=layout.out_groups, single=layout.single_output: \
+    if interface.structured:
+        rebuilt = lambda outs, groups=interface.out_groups, single=interface.single_output: \
             rebuild(groups, single, outs)  # noqa: E731
     return _eager.run_sharded(eqn, operands,
-                              single=layout.single_output and not layout.structured,
+                              single=interface.single_output and not interface.structured,
                               rebuild=rebuilt)
 
 
@@ -143,17 +143,17 @@ def _eager_call(handle: OpHandle, instance, args) -> tuple:
     call = handle.eager_calls.get(signature)
     pin = call.kernel.pin() if call is not None else None
     if pin is None:
-        layout = handle.layout(signature, instance)
+        interface = handle.interface(signature, instance)
         if handle.declares_sharding:  # a declaration that does not fit fails here, named
             handle.sharding(signature, instance)
-        in_shapes = tuple(shape for shape, _ in layout.inputs)
+        in_shapes = tuple(shape for shape, _ in interface.inputs)
         kernel, pin = handle.kernel((FORWARD, -1, signature, ()), in_shapes, instance)
-        if layout.structured:
-            call = _eager.Call(kernel, layout.outputs, False,
-                               rebuild=lambda outs, groups=layout.out_groups,
-                               single=layout.single_output: rebuild(groups, single, outs))
+        if interface.structured:
+            call = _eager.Call(kernel, interface.outputs, False,
+                               rebuild=lambda outs, groups=interface.out_groups,
+                               single=interface.single_output: rebuild(groups, single, outs))
         else:
-            call = _eager.Call(kernel, layout.outputs, layout.single_output)
+            call = _eager.Call(kernel, interface.outputs, interface.single_output)
         handle.eager_calls[signature] = call
     return call, operands, pin
 

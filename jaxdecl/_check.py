@@ -12,9 +12,9 @@ from ._host.keyword_rules import settle
 from ._op.equation import Equation
 from ._op.handle import BoundOp
 from ._op.identity import handle_of, spec_of
-from ._spec import layout as _layout
+from ._spec import interface as _interface
 from ._spec.cfunction import CFunction
-from ._spec.layout import FORWARD_SAVING
+from ._spec.interface import FORWARD_SAVING
 from ._transforms.primitive import bind
 
 _DOT_RTOL = {"float16": 3e-2, "bfloat16": 3e-2, "float32": 2e-4, "complex64": 2e-4}
@@ -93,33 +93,33 @@ def check(op, *args, rtol: float | None = None, seed: int = 0) -> None:
     # The checks work on flat leaves; `call` rebuilds the op's pytree arguments.
     leaves = [np.asarray(x) for x in operands]
     tree = jax.tree_util.tree_structure(tuple(args))
-    layout = _layout.compute_layout(spec, op, signature)
-    dtypes = [d for _, d in layout.inputs] + [d for _, d in layout.outputs]
+    interface = _interface.interface_of(spec, op, signature)
+    dtypes = [d for _, d in interface.inputs] + [d for _, d in interface.outputs]
     dot_rtol = rtol if rtol is not None else _lowest(dtypes, _DOT_RTOL, 1e-8)
     fd_rtol = rtol if rtol is not None else _lowest(dtypes, _FD_RTOL, 1e-5)
 
     def call(flat, wrapper=lambda f: f):
         return tuple(jax.tree_util.tree_leaves(wrapper(op)(*tree.unflatten(list(flat)))))
 
-    eager = _check_forward(spec, op, leaves, tree, layout, call)
+    eager = _check_forward(spec, op, leaves, tree, interface, call)
     _check_jit(spec, leaves, eager, dot_rtol, call)
-    if any(layout.diff) and any(layout.float_out):
-        _check_derivatives(spec, leaves, layout, rng, dot_rtol, fd_rtol, call)
+    if any(interface.diff) and any(interface.float_out):
+        _check_derivatives(spec, leaves, interface, rng, dot_rtol, fd_rtol, call)
     _check_vmap(spec, leaves, dot_rtol, call)
     resolved = handle_of(op).sharding(signature, op)
     if resolved is not None:
-        _check_sharding(spec, leaves, layout, resolved, eager, dot_rtol, call)
+        _check_sharding(spec, leaves, interface, resolved, eager, dot_rtol, call)
         if resolved.saved is not None:
             def residuals_of(flat):  # what the forward keeps when a derivative follows
                 operands, signature = flatten_inputs(spec, tree.unflatten(list(flat)))
                 kept = bind(Equation(BoundOp(handle_of(op), op), FORWARD_SAVING, signature),
                             operands)
-                return [np.asarray(r) for r in kept[len(layout.outputs):]]
+                return [np.asarray(r) for r in kept[len(interface.outputs):]]
 
-            _check_residual_sharding(spec, leaves, layout, resolved, dot_rtol, residuals_of)
+            _check_residual_sharding(spec, leaves, interface, resolved, dot_rtol, residuals_of)
 
 
-def _check_forward(spec, op, args, tree, layout, call):
+def _check_forward(spec, op, args, tree, interface, call):
     forward = spec.rules["forward"]
     try:
         eager = call(args)
@@ -129,19 +129,19 @@ def _check_forward(spec, op, args, tree, layout, call):
             f"{spec.describe('forward')} (@forward): {error}"
         ) from None
     takes_saved = spec.keeps is not None and "saved" in spec.keeps.takes.get("forward", ())
-    if forward.zero_copy or layout.saved:
+    if forward.zero_copy or interface.saved:
         # Run the rule twice on outputs (and residuals) pre-filled with different
         # values: an element the rule never writes keeps its fill value.
         results = []
         for fill in (0, 1):
-            outs = tuple(np.full(shape, fill, dtype) for shape, dtype in layout.outputs)
-            saved = tuple(np.full(shape, fill, dtype) for shape, dtype in layout.saved)
-            returned = _run_forward(forward, op, [a.copy() for a in args], tree, layout, outs,
+            outs = tuple(np.full(shape, fill, dtype) for shape, dtype in interface.outputs)
+            saved = tuple(np.full(shape, fill, dtype) for shape, dtype in interface.saved)
+            returned = _run_forward(forward, op, [a.copy() for a in args], tree, interface, outs,
                                     saved, takes_saved)
             results.append((outs if forward.zero_copy else returned) + saved)
-        names = layout.output_names + layout.saved_names
+        names = interface.output_names + interface.saved_names
         for index, (a, b) in enumerate(zip(*results)):
-            if index < len(layout.outputs) and not forward.zero_copy:
+            if index < len(interface.outputs) and not forward.zero_copy:
                 continue
             unwritten = np.asarray(a != b)
             if unwritten.any():
@@ -149,42 +149,42 @@ def _check_forward(spec, op, args, tree, layout, call):
                     f"jd.check: {spec.describe('forward')} (@forward) leaves "
                     f"{int(unwritten.sum())} of {unwritten.size} elements of "
                     f"{names[index]} unwritten"
-                    + (" when a derivative follows (saved= is given)" if layout.saved else "")
+                    + (" when a derivative follows (saved= is given)" if interface.saved else "")
                 )
-        if layout.saved:
+        if interface.saved:
             for index, (a, b) in enumerate(zip(results[0], eager)):
                 if not np.allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=0,
                                    equal_nan=True):
                     raise AssertionError(
                         f"jd.check: {spec.describe('forward')} (@forward) returns a different "
-                        f"{layout.output_names[index]} when given saved= than without it")
+                        f"{interface.output_names[index]} when given saved= than without it")
     return eager
 
 
-def _run_forward(forward, op, args, tree, layout, outs, saved, takes_saved) -> tuple:
+def _run_forward(forward, op, args, tree, interface, outs, saved, takes_saved) -> tuple:
     """Calls the user's forward on NumPy arrays; returns its outputs as flat leaves."""
     if isinstance(forward.function, CFunction):  # flat buffers: outputs, then residuals
         forward.function(*args, out=outs + saved)
         return outs
     keywords = {}
     if takes_saved:
-        keywords["saved"] = _structure.pack((layout.saved_group,), saved)[0] \
+        keywords["saved"] = _structure.pack((interface.saved_group,), saved)[0] \
             if saved else None
     inputs = tree.unflatten(args)
     if forward.zero_copy:
-        views = _structure.pack(layout.out_groups, outs)
+        views = _structure.pack(interface.out_groups, outs)
         returned = forward.bind(op)(
-            *inputs, out=views[0] if layout.single_output else tuple(views), **keywords)
+            *inputs, out=views[0] if interface.single_output else tuple(views), **keywords)
     else:
         returned = forward.bind(op)(*inputs, **keywords)
     if saved:  # residuals the rule rebound (saved["lu"] = lu) count as written
-        settle(keywords["saved"], layout.saved_group, saved, layout.saved_names,
+        settle(keywords["saved"], interface.saved_group, saved, interface.saved_names,
                f"{op.__jaxdecl_spec__.describe('forward')} (@forward)")
     if forward.zero_copy:
         return outs
-    values = (returned,) if layout.single_output else tuple(returned)
+    values = (returned,) if interface.single_output else tuple(returned)
     flat = []
-    for group, value in zip(layout.out_groups, values):
+    for group, value in zip(interface.out_groups, values):
         flat += [value] if group.tree is None else group.tree.flatten_up_to(value)
     return tuple(np.asarray(v) for v in flat)
 
@@ -199,9 +199,9 @@ def _check_jit(spec, args, eager, rtol, call):
             )
 
 
-def _check_derivatives(spec, args, layout, rng, dot_rtol, fd_rtol, call):
-    diff = layout.diff_indices
-    floats = layout.float_out_indices
+def _check_derivatives(spec, args, interface, rng, dot_rtol, fd_rtol, call):
+    diff = interface.diff_indices
+    floats = interface.float_out_indices
 
     def f(*diff_args):
         full = list(args)
@@ -211,14 +211,14 @@ def _check_derivatives(spec, args, layout, rng, dot_rtol, fd_rtol, call):
         return tuple(outs[j] for j in floats)
 
     x = tuple(args[i] for i in diff)
-    t = tuple(_random_like(rng, layout.inputs[i]) for i in diff)
-    ct = tuple(_random_like(rng, layout.outputs[j]) for j in floats)
+    t = tuple(_random_like(rng, interface.inputs[i]) for i in diff)
+    ct = tuple(_random_like(rng, interface.outputs[j]) for j in floats)
     has_forward_mode = spec.linear or spec.multilinear or "jvp" in spec.rules
     has_reverse_mode = spec.linear or spec.multilinear or "vjp" in spec.rules or (
         "jvp" in spec.rules and spec.rules["jvp"].traceable)
 
     # Finite differences in float64/complex128 where the inputs allow.
-    eps = 1e-6 if all(np.finfo(d).eps < 1e-10 for _, d in (layout.inputs[i] for i in diff)) \
+    eps = 1e-6 if all(np.finfo(d).eps < 1e-10 for _, d in (interface.inputs[i] for i in diff)) \
         else 1e-3
     plus = f(*[xi + eps * ti for xi, ti in zip(x, t)])
     minus = f(*[xi - eps * ti for xi, ti in zip(x, t)])
@@ -235,7 +235,7 @@ def _check_derivatives(spec, args, layout, rng, dot_rtol, fd_rtol, call):
             if error > fd_rtol * max(scale, 1.0):
                 raise AssertionError(
                     f"jd.check: {tangent_rule} (@jvp) disagrees with finite differences for "
-                    f"{layout.output_names[floats[index]]}: max error {error:.3g} "
+                    f"{interface.output_names[floats[index]]}: max error {error:.3g} "
                     f"(scale {scale:.3g})"
                 )
         reference = _dot(0, 0) + sum(_dot(c, j) for c, j in zip(ct, jt))
@@ -279,7 +279,7 @@ def _check_vmap(spec, args, rtol, call):
                 )
 
 
-def _check_sharding(spec, args, layout, resolved, whole, rtol, call):
+def _check_sharding(spec, args, interface, resolved, whole, rtol, call):
     """Runs the op on two slices along each splittable factor and compares with the whole."""
     summed = set(resolved.sizes) - {f for names in resolved.outputs for f in names}
     for factor, size in resolved.sizes.items():
@@ -308,12 +308,12 @@ def _check_sharding(spec, args, layout, resolved, whole, rtol, call):
                 f"jd.check: {spec.name}'s sharding declaration is wrong: factor {label!r} is "
                 f"declared {kind}, but running {spec.describe('forward')} on two slices "
                 f"along it and {how} the results differs from the whole op for "
-                f"{layout.output_names[index]} (max error {error:.3g}). If the rule needs "
+                f"{interface.output_names[index]} (max error {error:.3g}). If the rule needs "
                 f"the whole of that factor, list it in replicate="
             )
 
 
-def _check_residual_sharding(spec, args, layout, resolved, rtol, residuals_of):
+def _check_residual_sharding(spec, args, interface, resolved, rtol, residuals_of):
     """The residuals of two slices along each splittable factor, joined, against the whole."""
     whole = residuals_of(args)
     for factor, size in resolved.sizes.items():
@@ -335,7 +335,7 @@ def _check_residual_sharding(spec, args, layout, resolved, rtol, residuals_of):
                 f"leading dim {factor[3:]} ('...')"
             raise AssertionError(
                 f"jd.check: {spec.name}'s sharding declaration is wrong for residual "
-                f"{layout.saved_names[index]}: keeping it per slice along factor {label!r} and "
+                f"{interface.saved_names[index]}: keeping it per slice along factor {label!r} and "
                 f"joining differs from what {spec.describe('forward')} keeps for the whole. If "
                 f"the residual needs the whole of that factor, list it in replicate=")
 

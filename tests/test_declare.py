@@ -497,7 +497,7 @@ def test_equal_configuration_shares_handle_and_abstract():
     np.testing.assert_array_equal(a(x), 2 * np.arange(3.0))
     np.testing.assert_array_equal(b(x), 2 * np.arange(3.0))
     assert handle_of(a) is handle_of(b)
-    assert calls == [2.0]  # b reuses a's layout: @abstract ran once
+    assert calls == [2.0]  # b reuses a's interface: @abstract ran once
     np.testing.assert_array_equal(c(x), 3 * np.arange(3.0))
     assert handle_of(c) is not handle_of(a)
     assert calls == [2.0, 3.0]

@@ -547,8 +547,8 @@ def test_plain_arrays_still_take_the_flat_path():
 
     op = Nearest()
     op(QUERIES)
-    layout = next(iter(handle_of(op)._layouts.values()))
-    assert not layout.structured
+    interface = next(iter(handle_of(op)._interfaces.values()))
+    assert not interface.structured
 
 
 # ---------------------------------------------------------------------------------------

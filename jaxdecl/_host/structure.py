@@ -2,7 +2,7 @@
 
 The primitive and the host kernels deal in flat arrays; a user's rule sees
 the pytrees its op was called with. :func:`structured_rule` wraps a rule with
-a :class:`~jaxdecl._spec.layout.RuleIO` whose groups are pytrees into a function
+a :class:`~jaxdecl._spec.interface.RuleIO` whose groups are pytrees into a function
 of flat operands, for NumPy kernels and traceable rules alike. Ops whose
 inputs and outputs are all arrays never pass through here.
 :func:`stands_for_array` tells which arguments are arrays though they look

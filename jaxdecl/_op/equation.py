@@ -6,10 +6,10 @@ differentiation, batching, planning and lowering to the kernel:
 - ``op``: the :class:`~jaxdecl._op.handle.BoundOp` (class + configuration + the
   instance that bound it);
 - ``rule``: ``forward``, ``forward_saving``, ``jvp``, ``vjp``, ``transpose`` or
-  ``transpose_wrt`` (operand orders in :mod:`jaxdecl._spec.layout`);
+  ``transpose_wrt`` (operand orders in :mod:`jaxdecl._spec.interface`);
 - ``wrt``: the input index of a multilinear ``transpose_wrt`` (else -1);
 - ``signature``: per primal input, its (shape, dtype) per batch element, or a
-  :class:`~jaxdecl._spec.layout.TreeAval` for a pytree input;
+  :class:`~jaxdecl._spec.interface.TreeAval` for a pytree input;
 - ``batch``: leading batch dims every operand and result carries (operands may
   have size 1 there, broadcasting; results never do).
 
@@ -40,7 +40,7 @@ from typing import Protocol
 
 from .. import _compat
 from .._spec import factors as _factors
-from .._spec.layout import Layout, signature_leaves
+from .._spec.interface import Interface, signature_leaves
 from .._spec.rule_io import RuleIO
 
 
@@ -59,9 +59,9 @@ class OpHandleLike(Protocol):
     signature, batch) or its signature: each answer is cached on the handle."""
 
     declares_sharding: bool
-    equations: dict  # equation key -> (Layout, RuleIO), filled by layout_and_io
+    equations: dict  # equation key -> (Interface, RuleIO), filled by interface_and_io
 
-    def layout_and_io(self, key: tuple, instance) -> tuple[Layout, RuleIO]: ...
+    def interface_and_io(self, key: tuple, instance) -> tuple[Interface, RuleIO]: ...
     def user_rule(self, rule: str, wrt: int = -1): ...
     def sharding(self, signature: tuple, instance): ...
     def kernel(self, key: tuple, in_shapes: tuple, instance) -> tuple: ...
@@ -73,11 +73,11 @@ class Equation:
 
     What every stage reads of it is an attribute, computed (from the handle's
     caches) when the equation is made: the rule's operands and results
-    (``io``), the op's layout at this signature, the results' avals.
+    (``io``), the op's interface at this signature, the results' avals.
     """
 
     __slots__ = ("op", "rule", "wrt", "signature", "batch", "key", "spec", "name", "declared",
-                 "layout", "io", "out_avals", "_hash", "__weakref__")
+                 "interface", "io", "out_avals", "_hash", "__weakref__")
 
     def __init__(self, op: EquationOp, rule: str, signature: tuple, batch: tuple = (),
                  wrt: int = -1):
@@ -95,11 +95,11 @@ class Equation:
         handle = op.handle
         #: The op declares how it splits across devices (``sharding=``, ``@jd.sharding``).
         self.declared = handle.declares_sharding
-        #: The op's layout at this signature, and the rule's operands and results
-        #: (:class:`~jaxdecl._spec.layout.RuleIO`), checked against its signature.
+        #: The op's interface at this signature, and the rule's operands and results
+        #: (:class:`~jaxdecl._spec.interface.RuleIO`), checked against its signature.
         # (the handle's cache read here: an equation is made at every step of a trace)
-        found = handle.equations.get(key) or handle.layout_and_io(key, op.instance)
-        self.layout, self.io = found
+        found = handle.equations.get(key) or handle.interface_and_io(key, op.instance)
+        self.interface, self.io = found
         io = found[1]
         #: ``(shape, dtype)`` of every result, batch dims included.
         self.out_avals = tuple((batch + tuple(shape), dtype) for shape, dtype in io.out_avals)
@@ -160,7 +160,7 @@ class Equation:
         elements are independent, so each device may run its own rows.
         """
         if self.declared:
-            return _factors.rule_factors(self.sharding(), self.layout, self.rule, self.wrt,
+            return _factors.rule_factors(self.sharding(), self.interface, self.rule, self.wrt,
                                          self.batch, operand_shapes)
         return undeclared_factors(self.batch, operand_shapes,
                                   [s for s, _ in self.out_avals],

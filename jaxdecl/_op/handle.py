@@ -2,7 +2,7 @@
 
 Every op instance maps to an :class:`OpHandle`, shared by all live instances of
 the same class with equal configuration (:mod:`jaxdecl._op.identity` says which
-are equal). The handle owns the per-shape caches (layouts, kernels). What an
+are equal). The handle owns the per-shape caches (interfaces, kernels). What an
 :class:`~jaxdecl._op.equation.Equation` carries as its ``op`` is a
 :class:`BoundOp`: the handle plus the instance that bound it, so that a traced
 program holds the op it calls. Calling an op lives in :mod:`jaxdecl._call`.
@@ -45,11 +45,11 @@ from .._host import keyword_rules as _keyword_rules
 from .._host import registry as _runtime
 from .._host import structure as _structure
 from .._spec import factors as _factors
-from .._spec import layout as _layout
+from .._spec import interface as _interface
 from .._spec import rule_io as _rule_io
 from .._spec import sharding as _sharding
 from .._spec.cfunction import CFunction
-from .._spec.layout import FORWARD, FORWARD_SAVING, TRANSPOSE, TRANSPOSE_WRT
+from .._spec.interface import FORWARD, FORWARD_SAVING, TRANSPOSE, TRANSPOSE_WRT
 from . import fingerprint as _fingerprint
 
 _lock = threading.RLock()  # one registration per kernel, when threads build one at once
@@ -63,15 +63,15 @@ _KERNEL_ABI = "jaxdecl-kernel-1"
 
 
 class OpHandle:
-    """One op configuration: its layouts and kernels, shared by equal instances."""
+    """One op configuration: its interfaces and kernels, shared by equal instances."""
 
     def __init__(self, spec):
         self.spec = spec
         #: The configuration part of its kernels' fingerprints (set by identity.handle_of).
         self.fingerprint = None
-        self._layouts: dict = {}
+        self._interfaces: dict = {}
         self._rule_ios: dict = {}  # equation key -> RuleIO, its arity checked
-        #: equation key -> (Layout, RuleIO): read by every Equation as it is made
+        #: equation key -> (Interface, RuleIO): read by every Equation as it is made
         self.equations: dict = {}
         self._kernels: dict = {}
         self._shardings: dict = {}  # signature -> _factors.Resolved or None
@@ -85,18 +85,18 @@ class OpHandle:
     def __repr__(self) -> str:
         return self.spec.name
 
-    def layout(self, signature: tuple, instance) -> _layout.Layout:
-        layout = self._layouts.get(signature)
-        if layout is None:
-            layout = _layout.compute_layout(self.spec, instance, signature)
-            self._layouts[signature] = layout
-        return layout
+    def interface(self, signature: tuple, instance) -> _interface.Interface:
+        interface = self._interfaces.get(signature)
+        if interface is None:
+            interface = _interface.interface_of(self.spec, instance, signature)
+            self._interfaces[signature] = interface
+        return interface
 
-    def layout_and_io(self, key: tuple, instance) -> tuple:
-        """``(layout, io)`` of equation `key`: what every equation reads when it is made."""
+    def interface_and_io(self, key: tuple, instance) -> tuple:
+        """``(interface, io)`` of equation `key`: what every equation reads when it is made."""
         found = self.equations.get(key)
         if found is None:
-            found = (self.layout(key[2], instance), self.rule_io(key, instance))
+            found = (self.interface(key[2], instance), self.rule_io(key, instance))
             self.equations[key] = found
         return found
 
@@ -112,8 +112,8 @@ class OpHandle:
         io = self._rule_ios.get(key)
         if io is None:
             rule, wrt, signature, _ = key
-            layout = self.layout(signature, instance)
-            io = _rule_io.rule_io(self.spec, layout, rule, wrt)
+            interface = self.interface(signature, instance)
+            io = _rule_io.rule_io(self.spec, interface, rule, wrt)
             self._rule_ios[key] = io
         return io
 
@@ -124,11 +124,11 @@ class OpHandle:
         spec = self.spec
         resolved = None
         if self.declares_sharding:
-            layout = self.layout(signature, instance)
+            interface = self.interface(signature, instance)
             rule = spec.sharding
             if rule is None:
-                rule = _sharding.call_method(spec.rules["sharding"], instance, layout, spec.name)
-            resolved = _factors.resolve(rule, layout, spec.params, spec.name,
+                rule = _sharding.call_method(spec.rules["sharding"], instance, interface, spec.name)
+            resolved = _factors.resolve(rule, interface, spec.params, spec.name,
                                          spec.keeps is not None and spec.keeps.result)
         self._shardings[signature] = resolved
         return resolved
@@ -198,7 +198,7 @@ class OpHandle:
         rows = batch if spec.batch_mode == "loop" else ()
         io = self.rule_io(key, instance)
         # An adjoint's leading operands (the non-differentiable inputs) pass unconjugated.
-        n_lead = len(io.in_names) - sum(self.layout(signature, instance).float_out)
+        n_lead = len(io.in_names) - sum(self.interface(signature, instance).float_out)
         if isinstance(user.function, CFunction):
             return _runtime.register_c(
                 fingerprint, name, user.function, operands=_keyword_rules.c_operands(io),

@@ -37,7 +37,7 @@ import jaxlib
 
 from .. import _compat
 from .._errors import RuleError
-from .._spec import layout as _layout
+from .._spec import interface as _interface
 
 
 def _axes(entry) -> tuple:
@@ -205,7 +205,7 @@ def result_specs(eqn, p: Plan, operand_specs, operand_shapes, meshless=frozenset
             if i is not None:
                 specs[j] = tuple(operand_specs[i])
     if eqn.rule == "vjp" and _compat.COTANGENTS_TYPED_LIKE_PRIMALS:
-        for j, i in enumerate(eqn.layout.diff_indices):
+        for j, i in enumerate(eqn.interface.diff_indices):
             if i not in meshless:
                 specs[j] = tuple(operand_specs[i])
     return specs
@@ -300,9 +300,10 @@ def local_equation(eqn, factors, p: Plan, axis_sizes: dict, operand_shapes) -> t
     def local(names, shape):
         return tuple(p.local_size(f, n, axis_sizes) for f, n in zip(names, shape))
 
-    local_signature = _layout.with_leaves(eqn.signature, (
+    local_signature = _interface.with_leaves(eqn.signature, (
         (local(names, shape), dtype)
-        for names, (shape, dtype) in zip(factors.inputs, _layout.signature_leaves(eqn.signature))))
+        for names, (shape, dtype) in zip(factors.inputs,
+                                         _interface.signature_leaves(eqn.signature))))
     local_batch = local(factors.batch, eqn.batch)
     shard = eqn.with_shapes(local_signature, local_batch)
     local_in = tuple(local(names, shape) for names, shape in zip(factors.operands,
@@ -315,7 +316,7 @@ def local_equation(eqn, factors, p: Plan, axis_sizes: dict, operand_shapes) -> t
             raise RuleError(
                 f"{eqn.name} ({eqn.rule}): on a shard, @abstract gives {shard.io.out_names[j]} "
                 f"the shape {g}, but the sharding declaration implies {e} (local inputs "
-                f"{[s for s, _ in _layout.signature_leaves(local_signature)]}); the declaration "
+                f"{[s for s, _ in _interface.signature_leaves(local_signature)]}); the declaration "
                 f"does not match the op's shapes")
     return shard, local_in
 

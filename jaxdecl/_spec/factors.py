@@ -25,7 +25,7 @@ Which mesh axes a factor is split over is decided later, by
 Example:
     >>> import jax, numpy as np, jaxdecl as jd
     >>> from jaxdecl._spec.factors import resolve
-    >>> from jaxdecl._spec.layout import compute_layout
+    >>> from jaxdecl._spec.interface import interface_of
     >>> class MatVec(jd.Primitive, sharding="b k, k -> b", reduce=("k",)):
     ...     @jd.abstract
     ...     def shapes(self, a, x):
@@ -35,8 +35,8 @@ Example:
     ...         return a @ x
     >>> spec = MatVec.__jaxdecl_spec__
     >>> f64 = np.dtype("float64")
-    >>> layout = compute_layout(spec, MatVec(), (((4, 3), f64), ((3,), f64)))
-    >>> resolve(spec.sharding, layout, spec.params, "MatVec").sizes
+    >>> interface = interface_of(spec, MatVec(), (((4, 3), f64), ((3,), f64)))
+    >>> resolve(spec.sharding, interface, spec.params, "MatVec").sizes
     {'b': 4, 'k': 3}
 """
 
@@ -60,30 +60,31 @@ class Resolved:
     owner: str = ""  # the class, for messages
 
 
-def resolve(rule: ShardingRule, layout, params: tuple, owner: str,
+def resolve(rule: ShardingRule, interface, params: tuple, owner: str,
             carries_result: bool = False) -> Resolved:
-    """Names every dim of the forward at `layout`; ValueError when ranks or sizes disagree.
+    """Names every dim of the forward at `interface`; ValueError when ranks or sizes disagree.
 
     `carries_result`: the op's jvp/vjp equations carry its outputs (a rule takes
     ``result``), which then take the outputs' factors there.
     """
     check_inputs(rule, params, owner)
-    if len(rule.results) != len(layout.out_groups):
+    if len(rule.results) != len(interface.out_groups):
         raise ValueError(
             f"{owner}: sharding rule {rule.rule!r} describes {len(rule.results)} result(s), but "
-            f"@abstract gives {len(layout.out_groups)}")
+            f"@abstract gives {len(interface.out_groups)}")
     # A pytree input (output) gives its factors to each of its leaves.
-    out_rules = [None] * len(layout.outputs)
-    for group, value in zip(layout.out_groups, rule.results):
+    out_rules = [None] * len(interface.outputs)
+    for group, value in zip(interface.out_groups, rule.results):
         for slot in group.slots:
             out_rules[slot] = value
-    saved_rules = _residual_rules(rule, layout, owner)
-    values = tuple(rule.operands[p] for p in layout.leaf_param) + tuple(out_rules) + \
+    saved_rules = _residual_rules(rule, interface, owner)
+    values = tuple(rule.operands[p] for p in interface.leaf_param) + tuple(out_rules) + \
         saved_rules
-    labels = [f"input {name!r}" for name in layout.input_names] + list(layout.output_names) + \
-        [f"residual {name}" for name in layout.saved_names[:len(saved_rules)]]
-    shapes = [s for s, _ in layout.inputs] + [s for s, _ in layout.outputs] + \
-        [s for s, _ in layout.saved[:len(saved_rules)]]
+    labels = [f"input {name!r}" for name in interface.input_names] + \
+        list(interface.output_names) + \
+        [f"residual {name}" for name in interface.saved_names[:len(saved_rules)]]
+    shapes = [s for s, _ in interface.inputs] + [s for s, _ in interface.outputs] + \
+        [s for s, _ in interface.saved[:len(saved_rules)]]
     lead = None
     named = []
     for label, value, shape in zip(labels, values, shapes):
@@ -112,18 +113,18 @@ def resolve(rule: ShardingRule, layout, params: tuple, owner: str,
                 raise ValueError(
                     f"{owner}: sharding rule {rule.rule!r}: factor {factor!r} has size "
                     f"{sizes[factor]} in one value but {size} in {label} (shape {shape})")
-    n_in, n_out = len(layout.inputs), len(layout.outputs)
+    n_in, n_out = len(interface.inputs), len(interface.outputs)
     return Resolved(tuple(named[:n_in]), tuple(named[n_in:n_in + n_out]),
                     frozenset(rule.replicate), sizes,
                     tuple(named[n_in + n_out:]) if saved_rules else None, carries_result,
                     owner)
 
 
-def _residual_rules(rule: ShardingRule, layout, owner: str) -> tuple:
+def _residual_rules(rule: ShardingRule, interface, owner: str) -> tuple:
     """Per residual leaf, its factors from ``residuals=`` (empty when not declared)."""
-    if rule.residual_tree is None or not layout.saved:
+    if rule.residual_tree is None or not interface.saved:
         return ()
-    tree = layout.saved_group.tree
+    tree = interface.saved_group.tree
     if rule.residual_tree != tree and not (tree is None and len(rule.residual_values) == 1):
         raise ValueError(
             f"{owner}: residuals= of sharding rule {rule.rule!r} has the structure "
@@ -144,13 +145,13 @@ class RuleFactors:
     batch: tuple  # the factors of the batch dims, outermost first
 
 
-def rule_factors(resolved: Resolved, layout, rule: str, wrt: int, batch: tuple,
+def rule_factors(resolved: Resolved, interface, rule: str, wrt: int, batch: tuple,
                  operand_shapes: tuple) -> RuleFactors:
     """Names every dim of every operand and result of `rule` (see the module docstring).
 
     Example:
         >>> import jax, numpy as np, jaxdecl as jd
-        >>> from jaxdecl._spec.layout import compute_layout
+        >>> from jaxdecl._spec.interface import interface_of
         >>> class M(jd.Primitive, sharding="b k, k -> b", reduce=("k",)):
         ...     @jd.abstract
         ...     def shapes(self, a, x):
@@ -160,16 +161,16 @@ def rule_factors(resolved: Resolved, layout, rule: str, wrt: int, batch: tuple,
         ...         return a @ x
         >>> f64 = np.dtype("float64")
         >>> spec = M.__jaxdecl_spec__
-        >>> layout = compute_layout(spec, M(), (((4, 3), f64), ((3,), f64)))
-        >>> resolved = resolve(spec.sharding, layout, ("a", "x"), "M")
-        >>> rule_factors(resolved, layout, "vjp", -1, (), ((4, 3), (3,), (4,))).results
+        >>> interface = interface_of(spec, M(), (((4, 3), f64), ((3,), f64)))
+        >>> resolved = resolve(spec.sharding, interface, ("a", "x"), "M")
+        >>> rule_factors(resolved, interface, "vjp", -1, (), ((4, 3), (3,), (4,))).results
         (('b', 'k'), ('k',))
     """
-    n = len(layout.inputs)
+    n = len(interface.inputs)
     ins, outs = resolved.inputs, resolved.outputs
-    diff = layout.diff_indices
-    float_outs = tuple(outs[j] for j in layout.float_out_indices)
-    extras = _extra_factors(resolved, layout, rule)
+    diff = interface.diff_indices
+    float_outs = tuple(outs[j] for j in interface.float_out_indices)
+    extras = _extra_factors(resolved, interface, rule)
     if rule == "forward":
         operands, results = ins, outs
     elif rule == "forward_saving":
@@ -179,7 +180,7 @@ def rule_factors(resolved: Resolved, layout, rule: str, wrt: int, batch: tuple,
     elif rule == "vjp":
         operands, results = ins + float_outs + extras, tuple(ins[i] for i in diff)
     elif rule == "transpose":
-        operands = tuple(ins[i] for i in range(n) if not layout.diff[i]) + float_outs
+        operands = tuple(ins[i] for i in range(n) if not interface.diff[i]) + float_outs
         results = tuple(ins[i] for i in diff)
     elif rule == "transpose_wrt":
         operands = tuple(ins[i] for i in range(n) if i != wrt) + float_outs
@@ -205,7 +206,7 @@ def rule_factors(resolved: Resolved, layout, rule: str, wrt: int, batch: tuple,
                        batch_factors)
 
 
-def _extra_factors(resolved: Resolved, layout, rule: str) -> tuple:
+def _extra_factors(resolved: Resolved, interface, rule: str) -> tuple:
     """Factors of what a rule carries besides its usual operands (see rule_io.rule_io).
 
     ``forward_saving`` results end with the residuals; ``jvp``/``vjp`` operands
@@ -214,12 +215,12 @@ def _extra_factors(resolved: Resolved, layout, rule: str) -> tuple:
     if rule == "forward_saving":
         result, saved = False, True
     elif rule in ("jvp", "vjp"):
-        result, saved = resolved.carries_result, bool(layout.saved)
+        result, saved = resolved.carries_result, bool(interface.saved)
     else:
         return ()
     if saved and resolved.saved is None:
         raise ValueError(
-            f"{resolved.owner} keeps residuals {list(layout.saved_names)} (@residuals), but its "
+            f"{resolved.owner} keeps residuals {list(interface.saved_names)} (@residuals), but its "
             f"sharding declaration does not say how they split: add residuals=, a pytree of factor "
             f"strings shaped like the residuals, beside sharding= (or to jd.ShardingRule), "
             f"e.g. residuals={{'lu': 'b n m', 'piv': 'b n'}}")

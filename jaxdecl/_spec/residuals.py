@@ -20,7 +20,7 @@ output, as the op returns it). How the values travel:
   the plain forward and passes its outputs along.
 - Kernels deal in flat arrays: :mod:`jaxdecl._host.keyword_rules` turns the
   extras back into the keyword arguments each rule asks for
-  (:class:`~jaxdecl._spec.layout.Keyword`).
+  (:class:`~jaxdecl._spec.interface.Keyword`).
 
 This module validates the declaration (:func:`declare`), at class creation.
 

@@ -1,7 +1,7 @@
 """Which flat values flow in and out of each rule at one signature, checked.
 
 Each rule of an op has a fixed order of flat operands and results (the
-leaves of its :class:`~jaxdecl._spec.layout.Layout`):
+leaves of its :class:`~jaxdecl._spec.interface.Interface`):
 
 ==================  ============================================  ==========================
 rule                operands                                      results
@@ -23,7 +23,7 @@ takes ``result``), then the residuals (when the op declares them). The rules
 receive them as keyword arguments, :class:`Keyword` says how.
 
 A :class:`RuleIO` is one rule's: its operands' and results' names and avals,
-how the rule's arguments are built from them (:class:`~jaxdecl._spec.layout.Group`)
+how the rule's arguments are built from them (:class:`~jaxdecl._spec.interface.Group`)
 and its keyword arguments (:class:`Keyword`). :func:`rule_io` makes one and
 checks the user's rule against it (:func:`check_traced`): how many tangents
 or cotangents a rule takes depends on the dtypes, so that count is checked
@@ -37,7 +37,7 @@ import dataclasses
 import numpy as np
 
 from .._errors import DeclarationError, RuleError
-from .layout import (
+from .interface import (
     FORWARD,
     FORWARD_SAVING,
     JVP,
@@ -45,7 +45,7 @@ from .layout import (
     TRANSPOSE_WRT,
     VJP,
     Group,
-    Layout,
+    Interface,
     bare_group,
 )
 from .signatures import decorator_label, parameters, suggested_def
@@ -104,27 +104,27 @@ def _tangent_groups(groups, has_tangent, first_slot: int) -> tuple:
                  for g in groups if any(has_tangent[s] for s in g.slots))
 
 
-def rule_io(spec, layout: Layout, rule: str, wrt: int) -> RuleIO:
-    """The operands/results of `rule` at `layout` (see the module table), with the user's
+def rule_io(spec, interface: Interface, rule: str, wrt: int) -> RuleIO:
+    """The operands/results of `rule` at `interface` (see the module table), with the user's
     rule checked against them (:func:`check_traced`)."""
-    io = _unchecked_rule_io(spec, layout, rule, wrt)
-    check_traced(spec, layout, rule, wrt, io)
+    io = _unchecked_rule_io(spec, interface, rule, wrt)
+    check_traced(spec, interface, rule, wrt, io)
     return io
 
 
-def _unchecked_rule_io(spec, layout: Layout, rule: str, wrt: int) -> RuleIO:
+def _unchecked_rule_io(spec, interface: Interface, rule: str, wrt: int) -> RuleIO:
     keeps = spec.keeps
     if keeps is None:  # no rule takes saved= or result=: the plain table
-        return _rule_io(spec, layout, rule, wrt)
+        return _rule_io(spec, interface, rule, wrt)
     if rule == FORWARD_SAVING:
-        io = _rule_io(spec, layout, FORWARD, wrt)
-        m, k = len(layout.outputs), len(layout.saved)
-        saved = Keyword("saved", _shifted((layout.saved_group,), m), True, RESULTS)
+        io = _rule_io(spec, interface, FORWARD, wrt)
+        m, k = len(interface.outputs), len(interface.saved)
+        saved = Keyword("saved", _shifted((interface.saved_group,), m), True, RESULTS)
         return dataclasses.replace(
-            io, out_names=io.out_names + layout.saved_names,
-            out_avals=io.out_avals + layout.saved, real_results=(False,) * (m + k),
+            io, out_names=io.out_names + interface.saved_names,
+            out_avals=io.out_avals + interface.saved, real_results=(False,) * (m + k),
             keywords=(saved,))
-    io = _rule_io(spec, layout, rule, wrt)
+    io = _rule_io(spec, interface, rule, wrt)
     takes = keeps.takes.get(rule, frozenset())
     if rule == FORWARD:
         return dataclasses.replace(io, keywords=(Keyword("saved"),)) if takes else io
@@ -132,76 +132,77 @@ def _unchecked_rule_io(spec, layout: Layout, rule: str, wrt: int) -> RuleIO:
         return io
     names, keywords = list(io.in_names), []
     if keeps.result:  # every output leaf, integers too: the op's whole return value
-        groups = _shifted(layout.out_groups, len(names))
+        groups = _shifted(interface.out_groups, len(names))
         if "result" in takes:
-            keywords.append(Keyword("result", groups, layout.single_output, OPERANDS))
-        names += [f"result {name}" for name in layout.output_names]
+            keywords.append(Keyword("result", groups, interface.single_output, OPERANDS))
+        names += [f"result {name}" for name in interface.output_names]
     if keeps.saved:
-        group = _shifted((layout.saved_group,), len(names))
+        group = _shifted((interface.saved_group,), len(names))
         if "saved" in takes:
             keywords.append(Keyword("saved", group, True, OPERANDS))
-        names += list(layout.saved_names)
+        names += list(interface.saved_names)
     return dataclasses.replace(io, in_names=tuple(names), keywords=tuple(keywords),
                                n_extra=len(names) - len(io.in_names))
 
 
-def _rule_io(spec, layout: Layout, rule: str, wrt: int) -> RuleIO:
-    n = len(layout.inputs)
-    diff, float_outs = layout.diff_indices, layout.float_out_indices
-    params = layout.in_groups
-    structured = layout.structured
+def _rule_io(spec, interface: Interface, rule: str, wrt: int) -> RuleIO:
+    n = len(interface.inputs)
+    diff, float_outs = interface.diff_indices, interface.float_out_indices
+    params = interface.in_groups
+    structured = interface.structured
     if rule == FORWARD:
-        return RuleIO(layout.input_names, layout.output_names, layout.outputs,
-                      layout.single_output, (False,) * len(layout.outputs),
-                      params, layout.out_groups, structured)
+        return RuleIO(interface.input_names, interface.output_names, interface.outputs,
+                      interface.single_output, (False,) * len(interface.outputs),
+                      params, interface.out_groups, structured)
     if rule == JVP:
-        tangents = _tangent_groups(params, layout.diff, n)
-        results = _tangent_groups(layout.out_groups, layout.float_out, 0)
-        in_names = layout.input_names + tuple(f"tangent of {layout.input_names[i]}" for i in diff)
-        out_names = tuple(f"tangent of {layout.output_names[j]}" for j in float_outs)
-        return RuleIO(in_names, out_names, tuple(layout.outputs[j] for j in float_outs),
+        tangents = _tangent_groups(params, interface.diff, n)
+        results = _tangent_groups(interface.out_groups, interface.float_out, 0)
+        in_names = interface.input_names + tuple(f"tangent of {interface.input_names[i]}"
+                                                 for i in diff)
+        out_names = tuple(f"tangent of {interface.output_names[j]}" for j in float_outs)
+        return RuleIO(in_names, out_names, tuple(interface.outputs[j] for j in float_outs),
                       len(results) == 1, (False,) * len(out_names),
                       params + tangents, results, structured)
     if rule in (VJP, TRANSPOSE):
-        ct_names = tuple(f"cotangent of {layout.output_names[j]}" for j in float_outs)
+        ct_names = tuple(f"cotangent of {interface.output_names[j]}" for j in float_outs)
         if rule == VJP:
             lead = params
-            lead_names = layout.input_names
+            lead_names = interface.input_names
         else:
             lead, position = [], 0
             for g in params:
-                if any(layout.diff[s] for s in g.slots):
-                    if not all(layout.diff[s] for s in g.slots):
+                if any(interface.diff[s] for s in g.slots):
+                    if not all(interface.diff[s] for s in g.slots):
                         raise RuleError(
                             f"{spec.name} is linear=True, but input "
-                            f"{spec.params[layout.leaf_param[g.slots[0]]]!r} mixes "
+                            f"{spec.params[interface.leaf_param[g.slots[0]]]!r} mixes "
                             f"differentiable and integer (or nondiff) leaves; pass the "
                             f"integer leaves as a separate nondiff= input")
                     continue
                 lead.append(Group(g.tree, tuple(range(position, position + len(g.slots)))))
                 position += len(g.slots)
             lead = tuple(lead)
-            lead_names = tuple(layout.input_names[i] for i in range(n) if not layout.diff[i])
-        cts = _tangent_groups(layout.out_groups, layout.float_out, len(lead_names))
-        groups = _tangent_groups(params, layout.diff, 0)
-        avals = tuple(layout.inputs[i] for i in diff)
+            lead_names = tuple(interface.input_names[i] for i in range(n) if not interface.diff[i])
+        cts = _tangent_groups(interface.out_groups, interface.float_out, len(lead_names))
+        groups = _tangent_groups(params, interface.diff, 0)
+        avals = tuple(interface.inputs[i] for i in diff)
         real = tuple(not np.issubdtype(dtype, np.complexfloating) for _, dtype in avals)
-        out_names = tuple(f"cotangent of {layout.input_names[i]}" for i in diff)
+        out_names = tuple(f"cotangent of {interface.input_names[i]}" for i in diff)
         return RuleIO(lead_names + ct_names, out_names, avals, len(groups) == 1, real,
                       tuple(lead) + cts, groups, structured, zeros_ok=True)
-    if rule == TRANSPOSE_WRT:  # multilinear ops take arrays only (see compute_layout)
-        lead = tuple(p for i, p in enumerate(layout.input_names) if i != wrt)
-        cts = tuple(f"cotangent of {layout.output_names[j]}" for j in float_outs)
-        aval = layout.inputs[wrt]
+    if rule == TRANSPOSE_WRT:  # multilinear ops take arrays only (see interface_of)
+        lead = tuple(p for i, p in enumerate(interface.input_names) if i != wrt)
+        cts = tuple(f"cotangent of {interface.output_names[j]}" for j in float_outs)
+        aval = interface.inputs[wrt]
         args = tuple(bare_group(k) for k in range(len(lead))) + _tangent_groups(
-            layout.out_groups, layout.float_out, len(lead))
-        return RuleIO(lead + cts, (f"cotangent of {layout.input_names[wrt]}",), (aval,), True,
+            interface.out_groups, interface.float_out, len(lead))
+        return RuleIO(lead + cts, (f"cotangent of {interface.input_names[wrt]}",), (aval,), True,
                       (not np.issubdtype(aval[1], np.complexfloating),), args, (bare_group(0),),
                       structured, zeros_ok=True)
     raise ValueError(f"unknown rule {rule!r}")  # pragma: no cover - internal
 
 
-def check_traced(spec, layout, rule_kind: str, wrt: int, io) -> None:
+def check_traced(spec, interface, rule_kind: str, wrt: int, io) -> None:
     """Checks a rule's arity at the input types of one trace (counts that depend on dtypes).
 
     `io` is the rule's :class:`RuleIO`: one argument per group. A mismatch is a
@@ -219,22 +220,22 @@ def check_traced(spec, layout, rule_kind: str, wrt: int, io) -> None:
     if found is None or found.varargs or len(found.positional) - 1 == len(io.args):
         return
     # Which inputs (outputs) carry a tangent (cotangent) at these types.
-    with_tangent = [spec.params[k] for k, g in enumerate(layout.in_groups)
-                    if any(layout.diff[s] for s in g.slots)]
+    with_tangent = [spec.params[k] for k, g in enumerate(interface.in_groups)
+                    if any(interface.diff[s] for s in g.slots)]
     if rule_kind == TRANSPOSE:
         _refuse_differentiated_leads(spec, rule, found, with_tangent)
-    expected, why = _expected_arguments(spec, layout, rule_kind, wrt, with_tangent)
+    expected, why = _expected_arguments(spec, interface, rule_kind, wrt, with_tangent)
     raise DeclarationError(
         f"{spec.name}.{rule.name} ({decorator_label(rule)}) takes "
         f"({', '.join(found.positional)}), but at these input types jaxdecl passes {why}: "
         f"{suggested_def(rule, expected)}")
 
 
-def _expected_arguments(spec, layout, rule_kind: str, wrt: int, with_tangent: list) -> tuple:
+def _expected_arguments(spec, interface, rule_kind: str, wrt: int, with_tangent: list) -> tuple:
     """``(names, why)``: the arguments jaxdecl passes a rule at these types, and in words."""
     without = [p for p in spec.params if p not in with_tangent]
-    outputs = [k for k, g in enumerate(layout.out_groups)
-               if any(layout.float_out[s] for s in g.slots)]
+    outputs = [k for k, g in enumerate(interface.out_groups)
+               if any(interface.float_out[s] for s in g.slots)]
     cts = ["ct"] if len(outputs) == 1 else [f"ct{k}" for k in outputs]
     per_output = f"one cotangent per floating or complex output ({len(outputs)} here)"
     if rule_kind == JVP:

@@ -218,9 +218,9 @@ def check_inputs(rule: ShardingRule, params: tuple, owner: str) -> None:
             f"but the op takes {len(params)} ({', '.join(params)})")
 
 
-def call_method(method, instance, layout, owner: str) -> ShardingRule:
+def call_method(method, instance, interface, owner: str) -> ShardingRule:
     """Runs a ``@jd.sharding`` method on the inputs as ShapeDtypeStructs."""
-    result = method.bind(instance)(*layout.input_structs())
+    result = method.bind(instance)(*interface.input_structs())
     if not isinstance(result, ShardingRule):
         raise RuleError(f"{owner}.{method.name} (@sharding) must return jd.ShardingRule(...), "
                         f"got {type(result).__name__}")

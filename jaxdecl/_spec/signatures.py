@@ -1,7 +1,7 @@
 """Rules' signatures, checked against the op's inputs: at class creation, then at first trace.
 
 jaxdecl calls a rule positionally: the op instance (``self``), then the values
-that :mod:`jaxdecl._spec.layout` lists for that rule, and ``out=`` by keyword in
+that :mod:`jaxdecl._spec.interface` lists for that rule, and ``out=`` by keyword in
 the zero-copy form. A signature that cannot take them must fail when the class
 is written, naming the class, the rule, what it should look like and the fix,
 not later inside ``jax.grad`` as Python's ``pull() takes 3 positional

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from .. import _compat
 from .._errors import MissingRuleError, missing_rule
-from .._spec.layout import FORWARD, FORWARD_SAVING, JVP, TRANSPOSE, TRANSPOSE_WRT, VJP
+from .._spec.interface import FORWARD, FORWARD_SAVING, JVP, TRANSPOSE, TRANSPOSE_WRT, VJP
 from .primitive import bind, broadcast_vmapped, jaxdecl_p
 
 Zero = _compat.Zero
@@ -31,15 +31,15 @@ def _is_zero(t) -> bool:
     return type(t) is Zero
 
 
-def _check_nondiff(op, layout, tangents, inputs=None) -> None:
+def _check_nondiff(op, interface, tangents, inputs=None) -> None:
     """A tangent on a nondiff= input is an error, never silently dropped.
 
     `tangents[k]` belongs to primal input `inputs[k]` (default: input k).
     """
     inputs = range(len(tangents)) if inputs is None else inputs
     for index, tangent in zip(inputs, tangents):
-        if not layout.diff[index] and not _is_zero(tangent) and not _is_float0(tangent):
-            name = op.spec.params[layout.leaf_param[index]]
+        if not interface.diff[index] and not _is_zero(tangent) and not _is_float0(tangent):
+            name = op.spec.params[interface.leaf_param[index]]
             raise ValueError(
                 f"{op.spec.name}: input {name!r} is declared nondiff=, so jaxdecl cannot "
                 f"differentiate with respect to it (a value that depends on what you "
@@ -48,11 +48,11 @@ def _check_nondiff(op, layout, tangents, inputs=None) -> None:
             )
 
 
-def _slots(op, layout, rule, wrt):
+def _slots(op, interface, rule, wrt):
     """Operand indices a rule is linear (or multilinear) in."""
-    n = len(layout.inputs)
-    n_ct = sum(layout.float_out)
-    diff = layout.diff_indices
+    n = len(interface.inputs)
+    n_ct = sum(interface.float_out)
+    diff = interface.diff_indices
     if rule == FORWARD:
         return diff
     if rule == JVP:
@@ -64,24 +64,24 @@ def _slots(op, layout, rule, wrt):
         return tuple(range(n_lead, n_lead + n_ct))
     # transpose_wrt: the other differentiable inputs, then the cotangents
     others = [i for i in range(n) if i != wrt]
-    return tuple(k for k, i in enumerate(others) if layout.diff[i]) + tuple(
+    return tuple(k for k, i in enumerate(others) if interface.diff[i]) + tuple(
         range(n - 1, n - 1 + n_ct))
 
 
 def _second_order_form(eqn):
     """A JAX-traceable version of the jvp/vjp rule, so it can be differentiated again."""
-    rule, layout = eqn.rule, eqn.layout
+    rule, interface = eqn.rule, eqn.interface
     own = eqn.traceable()
     if own is not None:
         return own
     other = eqn.traceable(VJP if rule == JVP else JVP)
     if other is None:
         return None
-    n = len(layout.inputs)
+    n = len(interface.inputs)
     # Extras (the forward's outputs, residuals) follow the slots; they pass through.
-    n_slots = len(layout.diff_indices) if rule == JVP else sum(layout.float_out)
+    n_slots = len(interface.diff_indices) if rule == JVP else sum(interface.float_out)
     if rule == JVP:  # jvp(x, .) is the transpose of vjp(x, .)
-        ct_avals = [layout.outputs[j] for j in layout.float_out_indices]
+        ct_avals = [interface.outputs[j] for j in interface.float_out_indices]
 
         def jvp_form(*operands):
             xs, dxs, extras = operands[:n], operands[n:n + n_slots], operands[n + n_slots:]
@@ -90,7 +90,7 @@ def _second_order_form(eqn):
                                              *structs)(list(dxs)))
 
         return jvp_form
-    dx_avals = [layout.inputs[i] for i in layout.diff_indices]
+    dx_avals = [interface.inputs[i] for i in interface.diff_indices]
 
     def vjp_form(*operands):
         xs, cts, extras = operands[:n], operands[n:n + n_slots], operands[n + n_slots:]
@@ -116,17 +116,17 @@ def jvp_rule(operands, tangents, *, equation):
     eqn = equation
     op, rule, wrt, batch = eqn.op, eqn.rule, eqn.wrt, eqn.batch
     spec = op.spec
-    layout = eqn.layout
+    interface = eqn.interface
     if rule in (FORWARD, FORWARD_SAVING):
-        _check_nondiff(op, layout, tangents[:len(layout.inputs)])
+        _check_nondiff(op, interface, tangents[:len(interface.inputs)])
         if not spec.linear and not spec.multilinear:
-            return _jvp_nonlinear(eqn, layout, operands, tangents)
+            return _jvp_nonlinear(eqn, interface, operands, tangents)
     elif rule in (TRANSPOSE, TRANSPOSE_WRT):
-        lead = [i for i in range(len(layout.inputs)) if i != wrt] if rule == TRANSPOSE_WRT \
-            else [i for i in range(len(layout.inputs)) if not layout.diff[i]]
-        _check_nondiff(op, layout, tangents[:len(lead)], lead)
+        lead = [i for i in range(len(interface.inputs)) if i != wrt] if rule == TRANSPOSE_WRT \
+            else [i for i in range(len(interface.inputs)) if not interface.diff[i]]
+        _check_nondiff(op, interface, tangents[:len(lead)], lead)
 
-    slots = _slots(op, layout, rule, wrt)
+    slots = _slots(op, interface, rule, wrt)
     others = [k for k in range(len(operands)) if k not in slots]
     if any(not _is_zero(tangents[k]) and tangents[k].dtype != jax.dtypes.float0
            for k in others):
@@ -140,7 +140,7 @@ def jvp_rule(operands, tangents, *, equation):
 
     outs = bind(eqn, operands)
     out_avals = [o.aval for o in outs]
-    float_mask = layout.float_out if rule == FORWARD else (True,) * len(outs)
+    float_mask = interface.float_out if rule == FORWARD else (True,) * len(outs)
     live = [k for k in slots if not _is_zero(tangents[k])]
     if not live:
         return outs, [_compat.float0_zero(a) for a in out_avals]
@@ -167,17 +167,17 @@ def _is_float0(t) -> bool:
     return not _is_zero(t) and getattr(t, "dtype", None) == jax.dtypes.float0
 
 
-def _jvp_nonlinear(eqn, layout, operands, tangents):
+def _jvp_nonlinear(eqn, interface, operands, tangents):
     """The forward and its tangents; the rule is ``forward_saving`` only at second order."""
     op, rule = eqn.op, eqn.rule
-    diff = layout.diff_indices
+    diff = interface.diff_indices
     keeps = op.spec.keeps
     live = any(not _is_zero(tangents[i]) for i in diff)
-    if not live or not any(layout.float_out):
+    if not live or not any(interface.float_out):
         outs = bind(eqn, operands)
         return outs, [_compat.float0_zero(o.aval) for o in outs]
     if rule == FORWARD_SAVING:
-        _refuse_residual_tangents(op, layout)
+        _refuse_residual_tangents(op, interface)
     dxs = [_compat.instantiate_zeros(tangents[i]) for i in diff]
     inline = eqn.traceable(JVP)
     inline = inline if "vjp" not in op.spec.rules else None  # else @vjp serves reverse mode
@@ -193,12 +193,12 @@ def _jvp_nonlinear(eqn, layout, operands, tangents):
         # One forward: its outputs and residuals are the jvp's (and so the vjp's) extras.
         saving = keeps.saved
         all_outs = bind(eqn.with_rule(FORWARD_SAVING if saving else FORWARD), operands)
-        outs, extra_outs = all_outs[:len(layout.outputs)], all_outs[len(layout.outputs):]
+        outs, extra_outs = all_outs[:len(interface.outputs)], all_outs[len(interface.outputs):]
         extras = (list(outs) if keeps.result else []) + list(extra_outs)
         tangent_outs = _tangents(eqn, inline, operands, dxs, extras)
     tangent_iter = iter(tangent_outs)
     out_tangents = [next(tangent_iter) if f else _compat.float0_zero(o.aval)
-                    for f, o in zip(layout.float_out, outs)]
+                    for f, o in zip(interface.float_out, outs)]
     if rule == FORWARD:  # the residuals stay inside the derivative
         return list(outs), out_tangents
     # forward_saving (second order): its residuals are integers, with no tangent
@@ -214,9 +214,9 @@ def _tangents(eqn, inline, operands, dxs, extras):
     return bind(eqn.with_rule(JVP), operands)
 
 
-def _refuse_residual_tangents(op, layout) -> None:
+def _refuse_residual_tangents(op, interface) -> None:
     """Second order through residuals: their derivative is unknown, so never silently zero."""
-    if any(_is_inexact(dtype) for _, dtype in layout.saved):
+    if any(_is_inexact(dtype) for _, dtype in interface.saved):
         spec = op.spec
         raise MissingRuleError(
             f"{spec.name} keeps floating-point residuals ({spec.describe('residuals')}, "
@@ -250,7 +250,7 @@ def transpose_rule(cts, *operands, equation):
     """JAX's transpose of an equation: which rule transposes it is each step's below."""
     eqn = equation
     undefined = [k for k, x in enumerate(operands) if _compat.is_undefined_primal(x)]
-    float_cts = [c for c, f in zip(cts, eqn.layout.float_out) if f] if eqn.rule == FORWARD \
+    float_cts = [c for c, f in zip(cts, eqn.interface.float_out) if f] if eqn.rule == FORWARD \
         else list(cts)
     if all(_is_zero(c) for c in float_cts):
         return [Zero(operands[k].aval) if k in undefined else None
@@ -284,12 +284,12 @@ def _from(start: int, results, count: int) -> list:
 
 def _transpose_linear(eqn, operands, undefined, float_cts) -> list:
     """forward of a linear op -> its transpose, given the non-differentiable inputs."""
-    layout, out_cts = eqn.layout, [None] * len(operands)
-    lead = [i for i in range(len(layout.inputs)) if not layout.diff[i]]
+    interface, out_cts = eqn.interface, [None] * len(operands)
+    lead = [i for i in range(len(interface.inputs)) if not interface.diff[i]]
     if any(k in undefined for k in lead):
         raise ValueError(f"{eqn.name}: a nondiff input cannot be transposed")
     results = bind(eqn.with_rule(TRANSPOSE), [operands[k] for k in lead] + float_cts)
-    for i, r in zip(layout.diff_indices, results):
+    for i, r in zip(interface.diff_indices, results):
         if i in undefined:
             out_cts[i] = r
     return out_cts
@@ -301,14 +301,14 @@ def _transpose_multilinear(eqn, operands, undefined, float_cts) -> list:
         raise ValueError(f"{eqn.name} is multilinear: it is linear in one input at a time, "
                          f"but {len(undefined)} inputs were transposed together")
     i, out_cts = undefined[0], [None] * len(operands)
-    others = [operands[k] for k in range(len(eqn.layout.inputs)) if k != i]
+    others = [operands[k] for k in range(len(eqn.interface.inputs)) if k != i]
     out_cts[i] = bind(eqn.with_rule(TRANSPOSE_WRT, i), others + float_cts)[0]
     return out_cts
 
 
 def _transpose_derivative(eqn, operands, undefined, float_cts) -> list:
     """jvp and vjp transpose into each other; the extras (outputs, residuals) pass along."""
-    n, other = len(eqn.layout.inputs), VJP if eqn.rule == JVP else JVP
+    n, other = len(eqn.interface.inputs), VJP if eqn.rule == JVP else JVP
     extras = list(operands[len(operands) - eqn.io.n_extra:])
     args = list(operands[:n]) + float_cts + extras
     inline = eqn.traceable(other)
@@ -323,25 +323,25 @@ def _transpose_derivative(eqn, operands, undefined, float_cts) -> list:
 
 def _transpose_of_transpose(eqn, operands, undefined, float_cts) -> list:
     """transpose -> the forward, with the cotangents as its differentiable inputs."""
-    layout = eqn.layout
-    lead = [i for i in range(len(layout.inputs)) if not layout.diff[i]]
-    args = _inputs(len(layout.inputs), lead=(lead, operands), diff=(layout.diff_indices,
+    interface = eqn.interface
+    lead = [i for i in range(len(interface.inputs)) if not interface.diff[i]]
+    args = _inputs(len(interface.inputs), lead=(lead, operands), diff=(interface.diff_indices,
                                                                       float_cts))
     results = bind(eqn.with_rule(FORWARD), args)
-    return _from(len(lead), [r for r, f in zip(results, layout.float_out) if f], len(operands))
+    return _from(len(lead), [r for r, f in zip(results, interface.float_out) if f], len(operands))
 
 
 def _transpose_of_transpose_wrt(eqn, operands, undefined, float_cts) -> list:
     """transpose_wrt is multilinear in (the other differentiable inputs, the cotangents):
     w.r.t. the cotangents, the forward with input `wrt` set to ct; w.r.t. another input
     j, the transpose w.r.t. j with `wrt` set to ct."""
-    n, wrt, layout = len(eqn.layout.inputs), eqn.wrt, eqn.layout
+    n, wrt, interface = len(eqn.interface.inputs), eqn.wrt, eqn.interface
     others = [i for i in range(n) if i != wrt]
     args = _inputs(n, others=(others, operands), wrt=((wrt,), float_cts[:1]))
     out_cts = [None] * len(operands)
     if undefined and all(k >= n - 1 for k in undefined):
         results = bind(eqn.with_rule(FORWARD), args)
-        float_results = [r for r, f in zip(results, layout.float_out) if f]
+        float_results = [r for r, f in zip(results, interface.float_out) if f]
         for k, r in zip(range(n - 1, len(operands)), float_results):
             if k in undefined:
                 out_cts[k] = r

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from .. import _compat
 from .._host import structure as _structure
-from .._spec.layout import FORWARD, TRANSPOSE
+from .._spec.interface import FORWARD, TRANSPOSE
 from .primitive import bind, jaxdecl_p
 
 not_mapped = _compat.not_mapped
@@ -43,12 +43,12 @@ def batch_rule(args, dims, *, equation):
     spec = op.spec
     user = spec.rules.get("batch")
     if user is not None and rule == FORWARD:
-        batched = _user_batch(op, args, dims, eqn.layout)
+        batched = _user_batch(op, args, dims, eqn.interface)
         if batched is not NotImplemented:
             return batched
     elif user is not None and rule == TRANSPOSE:
         try:
-            return _transpose_of_user_batch(op, args, dims, eqn.layout)
+            return _transpose_of_user_batch(op, args, dims, eqn.interface)
         except _Declined:
             pass
     size = _batch_size(args, dims)
@@ -58,12 +58,12 @@ def batch_rule(args, dims, *, equation):
     return outs, [0] * len(outs)
 
 
-def _call_user_batch(op, args, axes, layout):
+def _call_user_batch(op, args, axes, interface):
     spec = op.spec
     rule = spec.rules["batch"]
-    if layout.structured:
-        args = _structure.pack(layout.in_groups, args)
-        axes = _structure.pack(layout.in_groups, axes)
+    if interface.structured:
+        args = _structure.pack(interface.in_groups, args)
+        axes = _structure.pack(interface.in_groups, axes)
     result = rule.bind(op.instance)(tuple(args), tuple(axes))
     if result is NotImplemented:  # declined: batched as without the rule
         return result
@@ -73,8 +73,8 @@ def _call_user_batch(op, args, axes, layout):
         raise TypeError(
             f"{spec.name}.{rule.name} (@batch) must return (outputs, out_axes); got {result!r}"
         ) from None
-    if layout.structured:
-        return _flatten_batched(layout, outs, out_axes, f"{spec.name}.{rule.name} (@batch)")
+    if interface.structured:
+        return _flatten_batched(interface, outs, out_axes, f"{spec.name}.{rule.name} (@batch)")
     if not isinstance(outs, (tuple, list)):
         outs, out_axes = [outs], [out_axes]
     elif not isinstance(out_axes, (tuple, list)):
@@ -87,17 +87,17 @@ def _call_user_batch(op, args, axes, layout):
     return list(outs), [not_mapped if a is None else a for a in out_axes]
 
 
-def _flatten_batched(layout, outs, out_axes, context):
+def _flatten_batched(interface, outs, out_axes, context):
     """Flat outputs and axes of a @batch rule that returned pytrees like the op's."""
-    groups = layout.out_groups
-    single = layout.single_output
+    groups = interface.out_groups
+    single = interface.single_output
     outs = [outs] if single else list(outs)
     if single or not isinstance(out_axes, (tuple, list)):
         out_axes = [out_axes] * len(groups)
     if len(outs) != len(groups) or len(out_axes) != len(groups):
         raise TypeError(f"{context} returned {len(outs)} outputs and {len(out_axes)} out_axes "
                         f"for an op with {len(groups)} outputs")
-    flat_outs, flat_axes = [None] * len(layout.outputs), [None] * len(layout.outputs)
+    flat_outs, flat_axes = [None] * len(interface.outputs), [None] * len(interface.outputs)
     for group, value, axes in zip(groups, outs, out_axes):
         leaves = [value] if group.tree is None else group.tree.flatten_up_to(value)
         if axes is None or isinstance(axes, int) or group.tree is None:
@@ -110,16 +110,16 @@ def _flatten_batched(layout, outs, out_axes, context):
     return flat_outs, flat_axes
 
 
-def _user_batch(op, args, dims, layout):
+def _user_batch(op, args, dims, interface):
     axes = [None if d is not_mapped else d for d in dims]
-    return _call_user_batch(op, args, axes, layout)
+    return _call_user_batch(op, args, axes, interface)
 
 
-def _transpose_of_user_batch(op, args, dims, layout):
+def _transpose_of_user_batch(op, args, dims, interface):
     """Batches ``transpose`` as the linear transpose of the user's batched forward."""
-    n = len(layout.inputs)
-    diff = layout.diff_indices
-    lead = [i for i in range(n) if not layout.diff[i]]
+    n = len(interface.inputs)
+    diff = interface.diff_indices
+    lead = [i for i in range(n) if not interface.diff[i]]
     size = _batch_size(args, dims)
     n_lead = len(lead)
     lead_args, lead_dims = args[:n_lead], dims[:n_lead]
@@ -133,15 +133,15 @@ def _transpose_of_user_batch(op, args, dims, layout):
             axes[i] = None if lead_dims[position] is not_mapped else lead_dims[position]
         for x, i in zip(linear, diff):
             full[i], axes[i] = x, 0
-        batched = _call_user_batch(op, full, axes, layout)
+        batched = _call_user_batch(op, full, axes, interface)
         if batched is NotImplemented:
             raise _Declined
         outs, out_axes = batched
         moved = [jnp.broadcast_to(o, (size,) + o.shape) if a is not_mapped
                  else jnp.moveaxis(o, a, 0) for o, a in zip(outs, out_axes)]
-        return [o for o, f in zip(moved, layout.float_out) if f]
+        return [o for o, f in zip(moved, interface.float_out) if f]
 
-    structs = [jax.ShapeDtypeStruct((size,) + layout.inputs[i][0], layout.inputs[i][1])
+    structs = [jax.ShapeDtypeStruct((size,) + interface.inputs[i][0], interface.inputs[i][1])
                for i in diff]
     results = jax.linear_transpose(batched_forward, *structs)(cts)
     return list(results), [0] * len(results)

@@ -31,7 +31,7 @@ from .._op.configuration import Unsaveable, configuration, decode, encode, find,
 from .._op.equation import Equation
 from .._op.handle import BoundOp
 from .._op.identity import handle_of
-from .._spec.layout import TreeAval
+from .._spec.interface import TreeAval
 from .._version import __version__ as VERSION
 
 #: The recipe format this jaxdecl writes, and the only one it reads (the rule is

@@ -2,10 +2,10 @@
 
 jaxdecl emits one JAX primitive, ``jaxdecl_call``, which sees arrays only: an
 input that is a pytree contributes its leaves, in JAX's flattening order. A
-:class:`Layout` is the op at one signature (its ``signature``: per input, its
+:class:`Interface` is the op at one signature (its ``signature``: per input, its
 ``(shape, dtype)`` or a :class:`TreeAval`): the input and output leaves, which
 carry tangents, and how each argument (and result) is rebuilt from flat
-leaves (:class:`Group`). :func:`compute_layout` makes one by asking
+leaves (:class:`Group`). :func:`interface_of` makes one by asking
 ``@abstract``. Which of those leaves each rule takes and returns is
 :mod:`jaxdecl._spec.rule_io`.
 
@@ -89,7 +89,7 @@ def bare_group(slot: int) -> Group:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class Interface:
     """The op's signature at one set of primal inputs: flat leaves and their grouping."""
 
     inputs: tuple  # Avals of the primal input leaves
@@ -141,7 +141,7 @@ def _flatten_structs(value, what: str, context: str):
     return with_paths, tree
 
 
-def compute_layout(spec, instance, inputs: tuple) -> Layout:
+def interface_of(spec, instance, inputs: tuple) -> Interface:
     """Runs @abstract on `inputs` (Avals or TreeAvals) and validates what it returns."""
     rule = spec.rules["abstract"]
     context = f"{spec.name}.{rule.name} (@abstract)"
@@ -185,14 +185,14 @@ def compute_layout(spec, instance, inputs: tuple) -> Layout:
     )
     float_out = tuple(dtype in _dtypes.DIFFERENTIABLE for _, dtype in outputs)
     saved, saved_group, saved_names = _residual_avals(spec, instance, structs)
-    layout = Layout(tuple(leaves), tuple(outputs), single, diff, float_out, tuple(in_groups),
+    interface = Interface(tuple(leaves), tuple(outputs), single, diff, float_out, tuple(in_groups),
                     tuple(out_groups), tuple(names), tuple(out_names), tuple(leaf_param),
                     saved, saved_group, saved_names)
-    if layout.structured and spec.multilinear and any(g.tree is not None for g in in_groups):
+    if interface.structured and spec.multilinear and any(g.tree is not None for g in in_groups):
         raise RuleError(
             f"{spec.name} is multilinear=True: its inputs must be arrays, not pytrees "
             f"(it is linear in each input separately, so each is one array)")
-    return layout
+    return interface
 
 
 def _residual_avals(spec, instance, structs) -> tuple:
