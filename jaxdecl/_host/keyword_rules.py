@@ -55,7 +55,7 @@ def settle(value, group, views, names, context: str, batch_rank: int = 0) -> Non
     try:
         leaves = _structure.leaves_or_none(group, value)
     except ValueError:
-        expected = group.tree.unflatten(["*"] * len(group.slots))
+        expected = group.tree.unflatten(["*"] * len(group.positions))
         raise RuleError(
             f"{context} changed the structure of `saved`: it must stay like {expected} "
             f"(@residuals); write into its arrays instead") from None
@@ -88,14 +88,14 @@ def kernel_rule(function, io: RuleIO, zero_copy: bool, context: str, n_head: int
     single = io.single_result
     pack = _structure.pack
     saving = next((k for k in keywords if k.source == RESULTS), None)
-    n_real = len(io.out_names) - (len(saving.groups[0].slots) if saving else 0)
+    n_real = len(io.out_names) - (len(saving.groups[0].positions) if saving else 0)
 
     if saving is not None:
         real_io = dataclasses.replace(
             io, out_names=io.out_names[:n_real], out_avals=io.out_avals[:n_real],
             real_results=io.real_results[:n_real], single_result=False, keywords=())
         group = saving.groups[0]
-        names = [io.out_names[s] for s in group.slots]
+        names = [io.out_names[s] for s in group.positions]
 
         def rule(*operands, out):
             head, flat = operands[:n_head], operands[n_head:]
@@ -107,7 +107,7 @@ def kernel_rule(function, io: RuleIO, zero_copy: bool, context: str, n_head: int
                                     out=outs[0] if single else tuple(outs))
             else:
                 returned = function(*head, *args, saved=saved)
-            settle(saved, group, [out[s] for s in group.slots], names, context, batch_rank)
+            settle(saved, group, [out[s] for s in group.positions], names, context, batch_rank)
             if zero_copy:
                 return returned
             _kernels._store(_structure.unpack(io, returned, context)[:n_real], out[:n_real],
@@ -156,7 +156,7 @@ def c_operands(io: RuleIO) -> tuple:
     n_positional = len(io.in_names) - io.n_extra
     keep = list(range(n_positional))
     for keyword in io.keywords:
-        keep += [s for g in keyword.groups for s in g.slots]
+        keep += [s for g in keyword.groups for s in g.positions]
     return () if len(keep) == len(io.in_names) else tuple(keep)
 
 

@@ -56,9 +56,10 @@ def pack(groups, values) -> list:
     args = []
     for group in groups:
         if group.tree is None:
-            args.append(values[group.slots[0]])
+            args.append(values[group.positions[0]])
         else:
-            args.append(group.tree.unflatten([None if s < 0 else values[s] for s in group.slots]))
+            args.append(group.tree.unflatten([None if s < 0 else values[s]
+                                              for s in group.positions]))
     return args
 
 
@@ -90,8 +91,8 @@ def _leaves_of(group, value):
     """`value`'s leaves in `group`'s leaf order (None: a zero); raises _Mismatch."""
     if group.tree is None:
         return [value]
-    expected = group.tree.unflatten(list(range(len(group.slots))))
-    found = [None] * len(group.slots)
+    expected = group.tree.unflatten(list(range(len(group.positions))))
+    found = [None] * len(group.positions)
 
     def put(leaf, position):
         if isinstance(position, int):
@@ -133,23 +134,23 @@ def unpack(io: RuleIO, value, context: str) -> list:
         try:
             leaves = _leaves_of(group, item)
         except _Mismatch:
-            expected = group.tree.unflatten(["*"] * len(group.slots))
+            expected = group.tree.unflatten(["*"] * len(group.positions))
             source = "its input's" if io.zeros_ok else "@abstract's"
             raise RuleError(
                 f"{context} returned {_group_label(io, group)} with a structure that differs "
                 f"from {source} at {_first_difference(expected, item)}: expected a pytree "
                 f"like {expected}, got {_describe(item)}") from None
-        for slot, leaf in zip(group.slots, leaves):
-            if slot < 0:
+        for position, leaf in zip(group.positions, leaves):
+            if position < 0:
                 continue  # no tangent here (an integer leaf): whatever was returned
             if leaf is None and not io.zeros_ok:
-                raise RuleError(f"{context} returned None for {io.out_names[slot]}")
-            flat[slot] = leaf
+                raise RuleError(f"{context} returned None for {io.out_names[position]}")
+            flat[position] = leaf
     return flat
 
 
 def _group_label(io: RuleIO, group) -> str:
-    name = next((io.out_names[s] for s in group.slots if s >= 0), "a result")
+    name = next((io.out_names[s] for s in group.positions if s >= 0), "a result")
     return name.split("[")[0]
 
 
@@ -196,7 +197,7 @@ def _argument_packing_rule(function, groups, n_operands: int, zero_copy: bool, n
     names = {"function": function}
     args = [f"h{k}" for k in range(n_head)]
     for index, group in enumerate(groups):
-        leaves = ["None" if s < 0 else f"v{s}" for s in group.slots]
+        leaves = ["None" if s < 0 else f"v{s}" for s in group.positions]
         if group.tree is None:
             args.append(leaves[0])
             continue
@@ -237,8 +238,8 @@ def _literal(tree, leaves) -> str:
 
 def packer(groups):
     """``pack(values)``: :func:`pack` for these `groups`, with their shapes decided once."""
-    steps = [(g.slots[0], None, None) if g.tree is None else
-             (-1, g.tree.unflatten, g.slots) for g in groups]
+    steps = [(g.positions[0], None, None) if g.tree is None else
+             (-1, g.tree.unflatten, g.positions) for g in groups]
 
     def pack_values(values):
         return [values[index] if unflatten is None else

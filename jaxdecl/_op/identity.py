@@ -69,12 +69,12 @@ def _weak_or_strong_key(instance, by_identity: bool):
         return ("id", id(instance)) if by_identity else ("eq", type(instance), instance)
 
 
-_slot_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # class -> names
+_declared_slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # class -> names
 
 
-def slot_names(cls) -> tuple:
+def declared_slots(cls) -> tuple:
     """The (mangled) names of every ``__slots__`` entry of `cls` and its bases."""
-    names = _slot_names.get(cls)
+    names = _declared_slots.get(cls)
     if names is None:
         names = []
         for klass in cls.__mro__:
@@ -85,13 +85,13 @@ def slot_names(cls) -> tuple:
                 if name.startswith("__") and not name.endswith("__"):
                     name = f"_{klass.__name__.lstrip('_')}{name}"  # name mangling
                 names.append(name)
-        names = _slot_names[cls] = tuple(names)
+        names = _declared_slots[cls] = tuple(names)
     return names
 
 
 def attributes(instance) -> dict | None:
     """The instance's configuration: its ``__dict__`` and the ``__slots__`` it has set."""
-    names = slot_names(type(instance))
+    names = declared_slots(type(instance))
     attributes = getattr(instance, "__dict__", None)
     if not names:
         return attributes
@@ -230,7 +230,7 @@ def _anchor(instance, handle: OpHandle, values) -> None:
     # The class, when its instances' __dict__ is their whole configuration: then
     # handle_of reads that dict directly (see attributes).
     cls = type(instance)
-    plain = cls if not slot_names(cls) and hasattr(instance, "__dict__") else None
+    plain = cls if not declared_slots(cls) and hasattr(instance, "__dict__") else None
     _anchors[id(instance)] = (handle, dict(values) if simple else None, plain)
     if first:
         try:

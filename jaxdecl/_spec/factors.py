@@ -75,8 +75,8 @@ def resolve(rule: ShardingRule, interface, params: tuple, owner: str,
     # A pytree input (output) gives its factors to each of its leaves.
     out_rules = [None] * len(interface.outputs)
     for group, value in zip(interface.out_groups, rule.results):
-        for slot in group.slots:
-            out_rules[slot] = value
+        for position in group.positions:
+            out_rules[position] = value
     saved_rules = _residual_rules(rule, interface, owner)
     values = tuple(rule.operands[p] for p in interface.leaf_param) + tuple(out_rules) + \
         saved_rules

@@ -74,18 +74,18 @@ def with_leaves(signature: tuple, leaves) -> tuple:
 class Group:
     """One argument (or result) of a rule and the flat values it is made of.
 
-    `tree` is None for a bare array (one slot). `slots` holds, per leaf of
+    `tree` is None for a bare array (one position). `positions` holds, per leaf of
     `tree`, the index of its flat operand (or result), or -1 for a leaf that
     has no value there (``None`` in a tangent pytree).
     """
 
     tree: object
-    slots: tuple
+    positions: tuple
 
 
-def bare_group(slot: int) -> Group:
-    """The group of a bare array argument at flat position `slot`."""
-    return Group(None, (slot,))
+def bare_group(position: int) -> Group:
+    """The group of a bare array argument at flat `position`."""
+    return Group(None, (position,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +103,7 @@ class Interface:
     output_names: tuple  # per output leaf: "output", "output 1" or "output['a']"
     leaf_param: tuple  # per input leaf: index of its argument
     saved: tuple = ()  # Avals of the residual leaves (@jd.residuals); () without
-    saved_group: Group | None = None  # the residuals' pytree over slots 0..len(saved)-1
+    saved_group: Group | None = None  # the residuals' pytree over positions 0..len(saved)-1
     saved_names: tuple = ()  # per residual leaf: "saved" or "saved['lu']"
 
     # Derived once, read at every step of a trace (attributes, not properties).
@@ -123,8 +123,8 @@ class Interface:
     def input_structs(self) -> list:
         """The inputs as @abstract sees them: ShapeDtypeStructs, in pytrees where given."""
         structs = [jax.ShapeDtypeStruct(s, d) for s, d in self.inputs]
-        return [structs[g.slots[0]] if g.tree is None else
-                g.tree.unflatten([structs[s] for s in g.slots]) for g in self.in_groups]
+        return [structs[g.positions[0]] if g.tree is None else
+                g.tree.unflatten([structs[s] for s in g.positions]) for g in self.in_groups]
 
 
 def _label(name: str, path) -> str:

@@ -89,19 +89,19 @@ class Keyword:
 
 
 def _shifted(groups, offset: int) -> tuple:
-    return tuple(Group(g.tree, tuple(s + offset for s in g.slots)) for g in groups)
+    return tuple(Group(g.tree, tuple(s + offset for s in g.positions)) for g in groups)
 
 
-def _tangent_groups(groups, has_tangent, first_slot: int) -> tuple:
+def _tangent_groups(groups, has_tangent, first_position: int) -> tuple:
     """Groups of the tangents of `groups` (those with any tangent-carrying leaf).
 
-    Tangent-carrying leaves take consecutive slots from `first_slot` in leaf
+    Tangent-carrying leaves take consecutive positions from `first_position` in leaf
     order; the others are -1 (``None`` in the rule's pytree).
     """
-    position = {leaf: first_slot + k
+    position = {leaf: first_position + k
                 for k, leaf in enumerate(i for i, f in enumerate(has_tangent) if f)}
-    return tuple(Group(g.tree, tuple(position.get(s, -1) for s in g.slots))
-                 for g in groups if any(has_tangent[s] for s in g.slots))
+    return tuple(Group(g.tree, tuple(position.get(s, -1) for s in g.positions))
+                 for g in groups if any(has_tangent[s] for s in g.positions))
 
 
 def rule_io(spec, interface: Interface, rule: str, wrt: int) -> RuleIO:
@@ -171,16 +171,16 @@ def _rule_io(spec, interface: Interface, rule: str, wrt: int) -> RuleIO:
         else:
             lead, position = [], 0
             for g in params:
-                if any(interface.diff[s] for s in g.slots):
-                    if not all(interface.diff[s] for s in g.slots):
+                if any(interface.diff[s] for s in g.positions):
+                    if not all(interface.diff[s] for s in g.positions):
                         raise RuleError(
                             f"{spec.name} is linear=True, but input "
-                            f"{spec.params[interface.leaf_param[g.slots[0]]]!r} mixes "
+                            f"{spec.params[interface.leaf_param[g.positions[0]]]!r} mixes "
                             f"differentiable and integer (or nondiff) leaves; pass the "
                             f"integer leaves as a separate nondiff= input")
                     continue
-                lead.append(Group(g.tree, tuple(range(position, position + len(g.slots)))))
-                position += len(g.slots)
+                lead.append(Group(g.tree, tuple(range(position, position + len(g.positions)))))
+                position += len(g.positions)
             lead = tuple(lead)
             lead_names = tuple(interface.input_names[i] for i in range(n) if not interface.diff[i])
         cts = _tangent_groups(interface.out_groups, interface.float_out, len(lead_names))
@@ -221,7 +221,7 @@ def check_traced(spec, interface, rule_kind: str, wrt: int, io) -> None:
         return
     # Which inputs (outputs) carry a tangent (cotangent) at these types.
     with_tangent = [spec.params[k] for k, g in enumerate(interface.in_groups)
-                    if any(interface.diff[s] for s in g.slots)]
+                    if any(interface.diff[s] for s in g.positions)]
     if rule_kind == TRANSPOSE:
         _refuse_differentiated_leads(spec, rule, found, with_tangent)
     expected, why = _expected_arguments(spec, interface, rule_kind, wrt, with_tangent)
@@ -235,7 +235,7 @@ def _expected_arguments(spec, interface, rule_kind: str, wrt: int, with_tangent:
     """``(names, why)``: the arguments jaxdecl passes a rule at these types, and in words."""
     without = [p for p in spec.params if p not in with_tangent]
     outputs = [k for k, g in enumerate(interface.out_groups)
-               if any(interface.float_out[s] for s in g.slots)]
+               if any(interface.float_out[s] for s in g.positions)]
     cts = ["ct"] if len(outputs) == 1 else [f"ct{k}" for k in outputs]
     per_output = f"one cotangent per floating or complex output ({len(outputs)} here)"
     if rule_kind == JVP:

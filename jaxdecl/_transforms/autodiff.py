@@ -5,7 +5,7 @@ binds the ``jvp`` rule, linear in the tangents; transposing that binds the
 ``vjp`` rule, linear in the cotangents; transposing *that* binds ``jvp`` again.
 Linear ops map forward <-> ``transpose``; multilinear ops map forward <->
 ``transpose_wrt`` one input at a time. Each rule is linear (or multilinear) in
-some operands ("slots"); a tangent on any other operand needs a second
+some operands (its "linear operands"); a tangent on any other operand needs a second
 derivative, which exists only for traceable rules.
 
 An op whose rules take ``saved=`` or ``result=`` binds ``forward_saving`` (or
@@ -48,7 +48,7 @@ def _check_nondiff(op, interface, tangents, inputs=None) -> None:
             )
 
 
-def _slots(op, interface, rule, wrt):
+def _linear_operands(op, interface, rule, wrt):
     """Operand indices a rule is linear (or multilinear) in."""
     n = len(interface.inputs)
     n_ct = sum(interface.float_out)
@@ -78,13 +78,13 @@ def _second_order_form(eqn):
     if other is None:
         return None
     n = len(interface.inputs)
-    # Extras (the forward's outputs, residuals) follow the slots; they pass through.
-    n_slots = len(interface.diff_indices) if rule == JVP else sum(interface.float_out)
+    # Extras (the forward's outputs, residuals) follow the linear operands; they pass through.
+    n_linear = len(interface.diff_indices) if rule == JVP else sum(interface.float_out)
     if rule == JVP:  # jvp(x, .) is the transpose of vjp(x, .)
         ct_avals = [interface.outputs[j] for j in interface.float_out_indices]
 
         def jvp_form(*operands):
-            xs, dxs, extras = operands[:n], operands[n:n + n_slots], operands[n + n_slots:]
+            xs, dxs, extras = operands[:n], operands[n:n + n_linear], operands[n + n_linear:]
             structs = [jax.ShapeDtypeStruct(s, d) for s, d in ct_avals]
             return list(jax.linear_transpose(lambda *c: other(*xs, *c, *extras),
                                              *structs)(list(dxs)))
@@ -93,7 +93,7 @@ def _second_order_form(eqn):
     dx_avals = [interface.inputs[i] for i in interface.diff_indices]
 
     def vjp_form(*operands):
-        xs, cts, extras = operands[:n], operands[n:n + n_slots], operands[n + n_slots:]
+        xs, cts, extras = operands[:n], operands[n:n + n_linear], operands[n + n_linear:]
         structs = [jax.ShapeDtypeStruct(s, d) for s, d in dx_avals]
         return list(jax.linear_transpose(lambda *d: other(*xs, *d, *extras),
                                          *structs)(list(cts)))
@@ -126,8 +126,8 @@ def jvp_rule(operands, tangents, *, equation):
             else [i for i in range(len(interface.inputs)) if not interface.diff[i]]
         _check_nondiff(op, interface, tangents[:len(lead)], lead)
 
-    slots = _slots(op, interface, rule, wrt)
-    others = [k for k in range(len(operands)) if k not in slots]
+    linear = _linear_operands(op, interface, rule, wrt)
+    others = [k for k in range(len(operands)) if k not in linear]
     if any(not _is_zero(tangents[k]) and tangents[k].dtype != jax.dtypes.float0
            for k in others):
         # A tangent on a non-linear operand: differentiate a traceable form.
@@ -141,16 +141,16 @@ def jvp_rule(operands, tangents, *, equation):
     outs = bind(eqn, operands)
     out_avals = [o.aval for o in outs]
     float_mask = interface.float_out if rule == FORWARD else (True,) * len(outs)
-    live = [k for k in slots if not _is_zero(tangents[k])]
+    live = [k for k in linear if not _is_zero(tangents[k])]
     if not live:
         return outs, [_compat.float0_zero(a) for a in out_avals]
     jointly_linear = rule in (JVP, VJP, TRANSPOSE) or (rule == FORWARD and spec.linear)
     if jointly_linear:
         args = list(operands)
-        for k in slots:
+        for k in linear:
             args[k] = _compat.instantiate_zeros(tangents[k])
         terms = [bind(eqn, args)]
-    else:  # multilinear: one term per slot with a tangent
+    else:  # multilinear: one term per linear operand with a tangent
         terms = []
         for k in live:
             args = list(operands)

@@ -104,9 +104,9 @@ def _flatten_batched(interface, outs, out_axes, context):
             axes = [axes] * len(leaves)
         else:  # a pytree of axes: None marks an unbatched subtree
             axes = _structure.leaves_or_none(group, axes)
-        for slot, leaf, axis in zip(group.slots, leaves, axes):
-            flat_outs[slot] = leaf
-            flat_axes[slot] = not_mapped if axis is None else axis
+        for position, leaf, axis in zip(group.positions, leaves, axes):
+            flat_outs[position] = leaf
+            flat_axes[position] = not_mapped if axis is None else axis
     return flat_outs, flat_axes
 
 
