@@ -370,7 +370,7 @@ def to_spec(entries):
     return _compat.P(*entries)
 
 
-def spec_of(struct) -> tuple:
+def partition_spec_of(struct) -> tuple:
     """The PartitionSpec entries of an array or aval, one per dim (None: whole)."""
     sharding = getattr(struct, "sharding", None)
     spec = getattr(sharding, "spec", None)
@@ -392,5 +392,5 @@ def common_mesh(operands) -> tuple:
             if mesh is not None and sharding.mesh != mesh:
                 return None, None
             mesh = sharding.mesh
-        specs.append(spec_of(x))
+        specs.append(partition_spec_of(x))
     return mesh, tuple(specs)

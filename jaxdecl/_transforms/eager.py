@@ -265,7 +265,7 @@ def _one_device(eqn, operands, mesh, specs, single, rebuild):
     placements = None
     mesh = mesh if mesh is not None else _compat.context_mesh()
     if mesh is not None:
-        specs = specs or [_plan.spec_of(x) for x in operands]
+        specs = specs or [_plan.partition_spec_of(x) for x in operands]
         # Operands on another mesh place no result (their specs name its axes).
         elsewhere = frozenset(i for i, x in enumerate(operands)
                               if getattr(getattr(x, "sharding", None), "mesh", None) != mesh)

@@ -239,7 +239,7 @@ def lower_partitioned(ctx, args, eqn, factors):
     def partition(mesh, arg_shapes, result_shape):
         try:
             axis_sizes = dict(mesh.shape)
-            specs = [_plan.spec_of(s) for s in arg_shapes]
+            specs = [_plan.partition_spec_of(s) for s in arg_shapes]
             p = _plan.plan_for(eqn, factors, specs, axis_sizes, explicit=False)
             shard, local_in = _plan.local_equation(eqn, factors, p, axis_sizes, operand_shapes)
             # Kernels are built now so that the executable holds them (the per-shard
@@ -304,10 +304,10 @@ def lower_per_shard_map(ctx, args, eqn, mesh, proposed: bool = False):
     axis_sizes = dict(mesh.shape)
     factors = eqn.factors(in_shapes)
     specs = (_plan.proposal(factors, axis_sizes) if proposed
-             else [_plan.spec_of(a) for a in ctx.avals_in])
+             else [_plan.partition_spec_of(a) for a in ctx.avals_in])
     p = _plan.plan_for(eqn, factors, specs, axis_sizes, explicit=not proposed)
     shard, _ = _plan.local_equation(eqn, factors, p, axis_sizes, in_shapes)
-    want = p.result_specs if proposed else [_plan.spec_of(a) for a in ctx.avals_out]
+    want = p.result_specs if proposed else [_plan.partition_spec_of(a) for a in ctx.avals_out]
     whole = _shardmap.build(lambda *blocks: bind(shard, blocks), mesh, p,
                             out_avals=shard.out_avals, once=not eqn.declared, have=specs,
                             want=want, explicit=not proposed)

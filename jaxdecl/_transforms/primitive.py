@@ -117,7 +117,7 @@ def _abstract_eval(*avals, equation):
         # split batch dim, a later transpose re-adds the batch's mesh axis to it).
         return typed([(None,) * len(shape) for shape, _ in shapes])
 
-    specs = [_plan.spec_of(a) for a in avals]
+    specs = [_plan.partition_spec_of(a) for a in avals]
     if _compat.all_axes_manual(mesh) or not any(any(s) for s in specs):
         return whole()
     # The types carry shardings (Explicit axes): the results' follow from the
