@@ -18,8 +18,8 @@ Example:
     >>> mesh = jax.make_mesh((1,), ("d",))
     >>> p = Plan({}, operand_specs=((None,),), result_specs=((None,),), summed=((),),
     ...          idle=("d",))
-    >>> twice = build(lambda x: [2 * x], mesh, p, out_avals=[((3,), "float32")], once=True,
-    ...               have=[(None,)], want=[(None,)], explicit=False)
+    >>> twice = build(lambda x: [2 * x], mesh, p, out_avals=[((3,), "float32")],
+    ...               once_per_block=True, have=[(None,)], want=[(None,)], explicit=False)
     >>> [float(v) for v in jax.jit(twice)(jnp.ones(3, "float32"))[0]]
     [2.0, 2.0, 2.0]
 """
@@ -33,13 +33,13 @@ from .. import _compat
 from .plan import to_spec
 
 
-def local_body(run, p, *, out_avals, once: bool, axis_sizes: dict):
+def local_body(run, p, *, out_avals, once_per_block: bool, axis_sizes: dict):
     """The per-device function of plan `p`: `run` on the blocks, then the sums.
 
     `run(*blocks)` returns the local results; `out_avals` are their
     ``(shape, dtype)`` (the zeros that skipping devices contribute).
     """
-    idle = tuple(p.idle) if once else ()
+    idle = tuple(p.idle) if once_per_block else ()
 
     def local(*blocks):
         if not idle:
@@ -64,7 +64,7 @@ def _sum(value, axes):
     return _compat.psum(value, axes)
 
 
-def build(run, mesh, p, *, out_avals, once: bool, have, want, explicit: bool, lead=()):
+def build(run, mesh, p, *, out_avals, once_per_block: bool, have, want, explicit: bool, lead=()):
     """``whole(*lead_operands, *operands)``: the shard_map of `run` under plan `p`.
 
     `have` are the operands' specs as they arrive and `want` the specs their
@@ -74,7 +74,8 @@ def build(run, mesh, p, *, out_avals, once: bool, have, want, explicit: bool, le
     gathered), and each result to its wanted spec. `lead` are the specs of
     leading operands passed through unsplit (the eager kernel slot).
     """
-    local = local_body(run, p, out_avals=out_avals, once=once, axis_sizes=dict(mesh.shape))
+    local = local_body(run, p, out_avals=out_avals, once_per_block=once_per_block,
+                       axis_sizes=dict(mesh.shape))
     mapped = _compat.shard_map(
         local, mesh, in_specs=tuple(map(to_spec, lead)) + tuple(map(to_spec, p.operand_specs)),
         out_specs=[to_spec(s) for s in p.result_specs])

@@ -89,7 +89,8 @@ def _nested(call, operands):
 
 
 @functools.lru_cache(maxsize=256)
-def sharded_executable(mesh, p: _Plan, once: bool, have: tuple, want: tuple, out_avals: tuple):
+def sharded_executable(mesh, p: _Plan, once_per_block: bool, have: tuple, want: tuple,
+                       out_avals: tuple):
     """The jitted caller that runs a kernel on every device's block of sharded operands.
 
     Built by :func:`jaxdecl._sharded.shardmap.build` (the one per-shard map builder).
@@ -100,7 +101,8 @@ def sharded_executable(mesh, p: _Plan, once: bool, have: tuple, want: tuple, out
     def run(slot, *blocks):
         return eager_p.bind(slot, *blocks, out_avals=out_avals)
 
-    return jax.jit(_shardmap.build(run, mesh, p, out_avals=out_avals, once=once, have=have,
+    return jax.jit(_shardmap.build(run, mesh, p, out_avals=out_avals,
+                                   once_per_block=once_per_block, have=have,
                                    want=want, explicit=_compat.has_explicit_axes(mesh),
                                    lead=((),)))
 

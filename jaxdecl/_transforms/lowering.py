@@ -247,7 +247,7 @@ def lower_partitioned(ctx, args, eqn, factors):
             kernel, pin = shard.kernel(local_in)
             held.keep.append(_runtime.KeepAlive(kernel, pin))
             local = _shardmap.local_body(lambda *blocks: bind(shard, blocks), p,
-                                         out_avals=shard.out_avals, once=not eqn.declared,
+                                         out_avals=shard.out_avals, once_per_block=not eqn.declared,
                                          axis_sizes=axis_sizes)
             named = _compat.NamedSharding
             return (mesh, lambda *blocks: tuple(local(*blocks)),
@@ -309,7 +309,7 @@ def lower_per_shard_map(ctx, args, eqn, mesh, proposed: bool = False):
     shard, _ = _plan.local_equation(eqn, factors, p, axis_sizes, in_shapes)
     want = p.result_specs if proposed else [_plan.partition_spec_of(a) for a in ctx.avals_out]
     whole = _shardmap.build(lambda *blocks: bind(shard, blocks), mesh, p,
-                            out_avals=shard.out_avals, once=not eqn.declared, have=specs,
+                            out_avals=shard.out_avals, once_per_block=not eqn.declared, have=specs,
                             want=want, explicit=not proposed)
     # Lowered inside an eager vmap (of a jit), the map still covers the whole mesh.
     with _compat.outside_vmap_axes():
