@@ -185,6 +185,14 @@ def spans_devices(values) -> bool:
                for a in jax.tree_util.tree_leaves(values))
 
 
+def _devices_spanned(operands) -> int:
+    """How many devices the operands live on, together."""
+    devices = set()
+    for x in jax.tree_util.tree_leaves(operands):
+        devices.update(getattr(getattr(x, "sharding", None), "device_set", ()))
+    return len(devices)
+
+
 def run_sharded(eqn, operands, *, single: bool = False, rebuild=None):
     """Runs `eqn` now on operands spanning several devices, as its strategy says.
 
@@ -200,7 +208,8 @@ def run_sharded(eqn, operands, *, single: bool = False, rebuild=None):
                          cached_only=True) if mesh is not None else None
     if found is None:
         strategy = _strategy.decide(
-            devices=2, eager=True, common_mesh=mesh is not None, declared=eqn.declared,
+            devices=_devices_spanned(operands), eager=True, common_mesh=mesh is not None,
+            declared=eqn.declared,
             explicit=mesh is not None and _compat.has_explicit_axes(mesh),
             splits=eqn.declared or _splits_batch(eqn, specs),
             addressable=all(getattr(x, "is_fully_addressable", True) for x in operands))
