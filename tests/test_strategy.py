@@ -94,10 +94,10 @@ def test_undeclared_ops_take_the_declared_paths():
 
 def test_implied_plan_of_an_undeclared_op_splits_only_vmapped_dims():
     from jaxdecl._op.equation import undeclared_factors
-    from jaxdecl._sharded.plan import plan
+    from jaxdecl._sharded.plan import make_plan
 
     factors = undeclared_factors((8,), [(8, 16), (1, 16)], [(8, 16)], [(16,), (16,)])
-    p = plan(factors, [("d", "e"), (None, "e")], {"d": 2, "e": 2})
+    p = make_plan(factors, [("d", "e"), (None, "e")], {"d": 2, "e": 2})
     assert p.operand_specs == (("d", None), (None, None))
     assert p.result_specs == (("d", None),)
     assert p.idle == ("e",)  # runs once along it

@@ -16,10 +16,10 @@ Example:
     >>> from jaxdecl._spec.factors import RuleFactors
     >>> factors = RuleFactors(operands=(("b", "k"), ("k",)), results=(("b",),),
     ...                       replicate=frozenset(), sizes={"b": 8, "k": 4}, inputs=(), batch=())
-    >>> p = plan(factors, [("d", None), (None,)], {"d": 2, "e": 2})
-    >>> p.operand_specs, p.result_specs, p.summed, p.idle
+    >>> plan = make_plan(factors, [("d", None), (None,)], {"d": 2, "e": 2})
+    >>> plan.operand_specs, plan.result_specs, plan.summed, plan.idle
     ((('d', None), (None,)), (('d',),), ((),), ('e',))
-    >>> plan(factors, [(None, "e"), ("e",)], {"d": 2, "e": 2}).summed
+    >>> make_plan(factors, [(None, "e"), ("e",)], {"d": 2, "e": 2}).summed
     (('e',),)
 """
 
@@ -70,7 +70,7 @@ class Plan:
         return size // math.prod(axis_sizes[a] for a in axes)
 
 
-def plan(factors, specs, axis_sizes: dict, *, strict: bool = False, describe=None) -> Plan:
+def make_plan(factors, specs, axis_sizes: dict, *, strict: bool = False, describe=None) -> Plan:
     """Assigns mesh axes to factors from the operands' `specs` (PartitionSpec-like tuples).
 
     With `strict` (explicit axes: the types promise the sharding) a sharding
@@ -174,17 +174,17 @@ def plan_for(eqn, factors, specs, axis_sizes: dict, *, explicit: bool) -> Plan:
     is what it declared.
     """
     strict = explicit and eqn.declared
-    p = plan(factors, specs, axis_sizes, strict=strict,
+    plan = make_plan(factors, specs, axis_sizes, strict=strict,
              describe=lambda *where: refusal(eqn, *where))
     if explicit:
-        check_explicit_sums(eqn.name, p)
+        check_explicit_sums(eqn.name, plan)
     elif eqn.declared:
-        warn_gathers(eqn, p)
-    return p
+        warn_gathers(eqn, plan)
+    return plan
 
 
-def result_specs(eqn, p: Plan, operand_specs, operand_shapes, meshless=frozenset()) -> list:
-    """The specs the results of `eqn` have under plan `p`.
+def result_specs(eqn, plan: Plan, operand_specs, operand_shapes, meshless=frozenset()) -> list:
+    """The specs the results of `eqn` have under plan `plan`.
 
     A result of an op without a declaration is laid out like the operand it
     mirrors (:func:`mirrored`), as JAX's elementwise ops keep their operand's
@@ -198,7 +198,7 @@ def result_specs(eqn, p: Plan, operand_specs, operand_shapes, meshless=frozenset
     an operand whose type has no mesh (positions in `meshless`) keeps the plan's
     sharding, as JAX's elementwise ops leave it.
     """
-    specs = list(p.result_specs)
+    specs = list(plan.result_specs)
     if not eqn.declared:
         for j, (shape, _) in enumerate(eqn.out_avals):
             i = mirrored(shape, operand_specs, operand_shapes, meshless)
@@ -234,14 +234,14 @@ def whole_plan(eqn) -> Plan:
     return Plan({}, (), tuple((None,) * len(shape) for shape, _ in eqn.out_avals), ())
 
 
-def warn_gathers(eqn, p: Plan) -> None:
+def warn_gathers(eqn, plan: Plan) -> None:
     """Warns, once per equation, that inputs split along a replicate factor are gathered.
 
     Such an input is all-gathered onto every device before the rule runs: correct,
     but the communication and memory of an unsharded op, which nothing else
     would tell the user about.
     """
-    if not p.gathered:
+    if not plan.gathered:
         return
     warned = eqn.op.handle.gather_warned
     if eqn.key in warned:
@@ -251,8 +251,8 @@ def warn_gathers(eqn, p: Plan) -> None:
     where = "" if eqn.rule == "forward" else f" (in its {eqn.rule} rule)"
     inputs = "; ".join(
         f"input {io.in_names[operand]!r} is split along dim {dim} (factor {factor!r}) over "
-        f"mesh axes {axes}" for operand, dim, factor, axes in p.gathered)
-    factors = sorted({factor for _, _, factor, _ in p.gathered})
+        f"mesh axes {axes}" for operand, dim, factor, axes in plan.gathered)
+    factors = sorted({factor for _, _, factor, _ in plan.gathered})
     warnings.warn(
         f"{eqn.name}{where}: {inputs}, but the op declares "
         f"{', '.join(repr(f) for f in factors)} in replicate= (the rules need it whole), so "
@@ -278,9 +278,9 @@ def _caller_level() -> int:
     return level if frame is not None else 2
 
 
-def check_explicit_sums(name: str, p: Plan) -> None:
+def check_explicit_sums(name: str, plan: Plan) -> None:
     """Raises when a plan over Explicit mesh axes sums partial results on a JAX that cannot."""
-    summed = sorted({axis for axes in p.summed for axis in axes})
+    summed = sorted({axis for axes in plan.summed for axis in axes})
     if summed and not _compat.EXPLICIT_REDUCTIONS:
         raise _compat.ShardingTypeError(
             f"{name}: its inputs are split along a factor it sums over (reduce=, or a "
@@ -290,15 +290,15 @@ def check_explicit_sums(name: str, p: Plan) -> None:
             f"first, or use mesh axes of type Auto")
 
 
-def local_equation(eqn, factors, p: Plan, axis_sizes: dict, operand_shapes) -> tuple:
-    """``(equation, operand shapes)`` each device runs under plan `p`.
+def local_equation(eqn, factors, plan: Plan, axis_sizes: dict, operand_shapes) -> tuple:
+    """``(equation, operand shapes)`` each device runs under plan `plan`.
 
     Its ``signature`` and ``batch`` are the blocks' (each dim divided by its
     split). Raises RuleError when ``@abstract`` on the local shapes disagrees
     with the shapes the declaration implies (the declaration does not fit the op).
     """
     def local(names, shape):
-        return tuple(p.local_size(f, n, axis_sizes) for f, n in zip(names, shape))
+        return tuple(plan.local_size(f, n, axis_sizes) for f, n in zip(names, shape))
 
     local_signature = _interface.with_leaves(eqn.signature, (
         (local(names, shape), dtype)

@@ -16,9 +16,9 @@ Example:
     >>> import jax, jax.numpy as jnp
     >>> from jaxdecl._sharded.plan import Plan
     >>> mesh = jax.make_mesh((1,), ("d",))
-    >>> p = Plan({}, operand_specs=((None,),), result_specs=((None,),), summed=((),),
-    ...          idle=("d",))
-    >>> twice = build(lambda x: [2 * x], mesh, p, out_avals=[((3,), "float32")],
+    >>> plan = Plan({}, operand_specs=((None,),), result_specs=((None,),), summed=((),),
+    ...             idle=("d",))
+    >>> twice = build(lambda x: [2 * x], mesh, plan, out_avals=[((3,), "float32")],
     ...               once_per_block=True, have=[(None,)], want=[(None,)], explicit=False)
     >>> [float(v) for v in jax.jit(twice)(jnp.ones(3, "float32"))[0]]
     [2.0, 2.0, 2.0]
@@ -33,13 +33,13 @@ from .. import _compat
 from .plan import to_spec
 
 
-def local_body(run, p, *, out_avals, once_per_block: bool, axis_sizes: dict):
-    """The per-device function of plan `p`: `run` on the blocks, then the sums.
+def local_body(run, plan, *, out_avals, once_per_block: bool, axis_sizes: dict):
+    """The per-device function of plan `plan`: `run` on the blocks, then the sums.
 
     `run(*blocks)` returns the local results; `out_avals` are their
     ``(shape, dtype)`` (the zeros that skipping devices contribute).
     """
-    idle = tuple(p.idle) if once_per_block else ()
+    idle = tuple(plan.idle) if once_per_block else ()
 
     def local(*blocks):
         if not idle:
@@ -51,7 +51,7 @@ def local_body(run, p, *, out_avals, once_per_block: bool, axis_sizes: dict):
             outs = jax.lax.cond(index == 0, lambda v: tuple(run(*v)),
                                 lambda v: tuple(jnp.zeros(s, d) for s, d in out_avals),
                                 tuple(blocks))
-        return [_sum(o, tuple(axes) + idle) for o, axes in zip(outs, p.summed)]
+        return [_sum(o, tuple(axes) + idle) for o, axes in zip(outs, plan.summed)]
 
     return local
 
@@ -64,8 +64,8 @@ def _sum(value, axes):
     return _compat.psum(value, axes)
 
 
-def build(run, mesh, p, *, out_avals, once_per_block: bool, have, want, explicit: bool, lead=()):
-    """``whole(*lead_operands, *operands)``: the shard_map of `run` under plan `p`.
+def build(run, mesh, plan, *, out_avals, once_per_block: bool, have, want, explicit: bool, lead=()):
+    """``whole(*lead_operands, *operands)``: the shard_map of `run` under plan `plan`.
 
     `have` are the operands' specs as they arrive and `want` the specs their
     results must have (their types, under Explicit axes). Over Explicit axes an
@@ -74,21 +74,21 @@ def build(run, mesh, p, *, out_avals, once_per_block: bool, have, want, explicit
     gathered), and each result to its wanted spec. `lead` are the specs of
     leading operands passed through unsplit (the eager kernel slot).
     """
-    local = local_body(run, p, out_avals=out_avals, once_per_block=once_per_block,
+    local = local_body(run, plan, out_avals=out_avals, once_per_block=once_per_block,
                        axis_sizes=dict(mesh.shape))
     mapped = _compat.shard_map(
-        local, mesh, in_specs=tuple(map(to_spec, lead)) + tuple(map(to_spec, p.operand_specs)),
-        out_specs=[to_spec(s) for s in p.result_specs])
+        local, mesh, in_specs=tuple(map(to_spec, lead)) + tuple(map(to_spec, plan.operand_specs)),
+        out_specs=[to_spec(s) for s in plan.result_specs])
     n_lead = len(lead)
 
     def whole(*operands):
         head, operands = operands[:n_lead], operands[n_lead:]
         if explicit:  # shard_map takes operands whose types match its in_specs
             operands = [_resharded(x, mesh, h, w)
-                        for x, h, w in zip(operands, have, p.operand_specs)]
+                        for x, h, w in zip(operands, have, plan.operand_specs)]
         results = mapped(*head, *operands)
         place = _resharded if explicit else _constrained
-        return [place(o, mesh, h, w) for o, h, w in zip(results, p.result_specs, want)]
+        return [place(o, mesh, h, w) for o, h, w in zip(results, plan.result_specs, want)]
 
     return whole
 

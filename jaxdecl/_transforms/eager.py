@@ -89,7 +89,7 @@ def _nested(call, operands):
 
 
 @functools.lru_cache(maxsize=256)
-def sharded_executable(mesh, p: _Plan, once_per_block: bool, have: tuple, want: tuple,
+def sharded_executable(mesh, plan: _Plan, once_per_block: bool, have: tuple, want: tuple,
                        out_avals: tuple):
     """The jitted caller that runs a kernel on every device's block of sharded operands.
 
@@ -101,7 +101,7 @@ def sharded_executable(mesh, p: _Plan, once_per_block: bool, have: tuple, want: 
     def run(slot, *blocks):
         return eager_p.bind(slot, *blocks, out_avals=out_avals)
 
-    return jax.jit(_shardmap.build(run, mesh, p, out_avals=out_avals,
+    return jax.jit(_shardmap.build(run, mesh, plan, out_avals=out_avals,
                                    once_per_block=once_per_block, have=have,
                                    want=want, explicit=_compat.has_explicit_axes(mesh),
                                    lead=((),)))
@@ -254,12 +254,12 @@ def sharded_call(eqn, mesh, specs, operands, *, single=False, rebuild=None,
     in_shapes = tuple(tuple(x.shape) for x in operands)
     factors = eqn.factors(in_shapes)
     axis_sizes = dict(mesh.shape)
-    p = _plan.plan_for(eqn, factors, specs, axis_sizes,
+    plan = _plan.plan_for(eqn, factors, specs, axis_sizes,
                        explicit=_compat.has_explicit_axes(mesh))
-    shard, local_in = _plan.local_equation(eqn, factors, p, axis_sizes, in_shapes)
+    shard, local_in = _plan.local_equation(eqn, factors, plan, axis_sizes, in_shapes)
     kernel, pin = shard.kernel(local_in)
-    want = tuple(tuple(s) for s in _plan.result_specs(eqn, p, specs, in_shapes))
-    caller = sharded_executable(mesh, p, not eqn.declared, tuple(specs), want,
+    want = tuple(tuple(s) for s in _plan.result_specs(eqn, plan, specs, in_shapes))
+    caller = sharded_executable(mesh, plan, not eqn.declared, tuple(specs), want,
                                 shard.out_avals)
     call = Call(kernel, shard.out_avals, single, rebuild=rebuild, caller=caller)
     if all(getattr(x, "is_fully_addressable", True) for x in operands):

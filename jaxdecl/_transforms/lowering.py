@@ -240,19 +240,19 @@ def lower_partitioned(ctx, args, eqn, factors):
         try:
             axis_sizes = dict(mesh.shape)
             specs = [_plan.partition_spec_of(s) for s in arg_shapes]
-            p = _plan.plan_for(eqn, factors, specs, axis_sizes, explicit=False)
-            shard, local_in = _plan.local_equation(eqn, factors, p, axis_sizes, operand_shapes)
+            plan = _plan.plan_for(eqn, factors, specs, axis_sizes, explicit=False)
+            shard, local_in = _plan.local_equation(eqn, factors, plan, axis_sizes, operand_shapes)
             # Kernels are built now so that the executable holds them (the per-shard
             # lowering's own keep-alives are dropped with its temporary module).
             kernel, pin = shard.kernel(local_in)
             held.keep.append(_runtime.KeepAlive(kernel, pin))
-            local = _shardmap.local_body(lambda *blocks: bind(shard, blocks), p,
+            local = _shardmap.local_body(lambda *blocks: bind(shard, blocks), plan,
                                          out_avals=shard.out_avals, once_per_block=not eqn.declared,
                                          axis_sizes=axis_sizes)
             named = _compat.NamedSharding
             return (mesh, lambda *blocks: tuple(local(*blocks)),
-                    tuple(named(mesh, _plan.to_spec(s)) for s in p.result_specs),
-                    tuple(named(mesh, _plan.to_spec(s)) for s in p.operand_specs))
+                    tuple(named(mesh, _plan.to_spec(s)) for s in plan.result_specs),
+                    tuple(named(mesh, _plan.to_spec(s)) for s in plan.operand_specs))
         except Exception as error:
             # XLA reports the failure as a JaxRuntimeError carrying this text.
             raise RuntimeError(
@@ -305,10 +305,10 @@ def lower_per_shard_map(ctx, args, eqn, mesh, proposed: bool = False):
     factors = eqn.factors(in_shapes)
     specs = (_plan.proposal(factors, axis_sizes) if proposed
              else [_plan.partition_spec_of(a) for a in ctx.avals_in])
-    p = _plan.plan_for(eqn, factors, specs, axis_sizes, explicit=not proposed)
-    shard, _ = _plan.local_equation(eqn, factors, p, axis_sizes, in_shapes)
-    want = p.result_specs if proposed else [_plan.partition_spec_of(a) for a in ctx.avals_out]
-    whole = _shardmap.build(lambda *blocks: bind(shard, blocks), mesh, p,
+    plan = _plan.plan_for(eqn, factors, specs, axis_sizes, explicit=not proposed)
+    shard, _ = _plan.local_equation(eqn, factors, plan, axis_sizes, in_shapes)
+    want = plan.result_specs if proposed else [_plan.partition_spec_of(a) for a in ctx.avals_out]
+    whole = _shardmap.build(lambda *blocks: bind(shard, blocks), mesh, plan,
                             out_avals=shard.out_avals, once_per_block=not eqn.declared, have=specs,
                             want=want, explicit=not proposed)
     # Lowered inside an eager vmap (of a jit), the map still covers the whole mesh.

@@ -129,12 +129,12 @@ def _abstract_eval(*avals, equation):
     if strategy is Strategy.DIRECT:
         # (an op without a declaration, on a JAX that cannot run it once: every
         # device runs it on gathered inputs, and keeps its slice of each result)
-        p = _plan.whole_plan(eqn)
+        plan = _plan.whole_plan(eqn)
     else:
         factors = eqn.factors(shapes_in)
-        p = _plan.plan_for(eqn, factors, specs, dict(mesh.shape), explicit=True)
+        plan = _plan.plan_for(eqn, factors, specs, dict(mesh.shape), explicit=True)
     meshless = {i for i, a in enumerate(avals) if mesh_of([a]) is None}
-    return typed(_plan.result_specs(eqn, p, specs, shapes_in, meshless))
+    return typed(_plan.result_specs(eqn, plan, specs, shapes_in, meshless))
 
 
 jaxdecl_p.def_impl(_impl)
