@@ -89,6 +89,18 @@ class DoubleVectorized(Double, batch="vectorized"):
     pass
 
 
+class DoubleReturning(jd.Primitive):
+    """The case-1 op with its forward in the return form (a new array per call)."""
+
+    @jd.abstract
+    def shapes(self, x):
+        return _sds(x)
+
+    @jd.forward
+    def apply(self, x):
+        return x * 2
+
+
 class DoubleEmpty(jd.Primitive):
     @jd.abstract
     def shapes(self, x):

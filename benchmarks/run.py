@@ -43,6 +43,7 @@ import harness
 from implementations import (
     Double,
     DoubleEmpty,
+    DoubleReturning,
     DoubleVectorized,
     MulSq,
     buffer_callback,
@@ -143,6 +144,10 @@ def vmap_rows(opts, batch=64, n=10):
     return {
         "native": lambda: _jitted(jax.vmap(lambda a: a * 2), x),
         "jaxdecl[loop]": lambda: _jitted(jax.vmap(Double()), x),
+        # the same loop over a rule in the return form, and over a C kernel
+        "jaxdecl[loop, return]": lambda: _jitted(jax.vmap(DoubleReturning()), x),
+        "jaxdecl[loop, C]": double_c_class() and (
+            lambda: _jitted(jax.vmap(double_c_class()()), x)),
         "jaxdecl[vectorized]": lambda: _jitted(jax.vmap(DoubleVectorized()), x),
         "jaxbind": jb and (lambda: _jitted(jax.vmap(jb), x)),
         "pure_callback[sequential]": lambda: _jitted(jax.vmap(pure_double), x),
