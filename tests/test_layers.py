@@ -9,8 +9,11 @@ import pytest
 
 import jaxdecl
 
-PACKAGE = pathlib.Path(jaxdecl.__file__).parent
-MAP = PACKAGE.parent / "ARCHITECTURE.md"
+# The source tree beside these tests (an installed copy lacks ARCHITECTURE.md), else the
+# installed package.
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "jaxdecl" if (ROOT / "jaxdecl").is_dir() else pathlib.Path(jaxdecl.__file__).parent
+MAP = ROOT / "ARCHITECTURE.md"
 
 
 def _module_name(path: pathlib.Path) -> str:
