@@ -5,7 +5,7 @@ Usage::
     python benchmarks/bench_bindings.py              # full run, about 3 minutes on 2 cores
     python benchmarks/bench_bindings.py --quick      # small sizes, few rounds: about 30 s
     python benchmarks/bench_bindings.py --markdown   # also prints the tables for README.md
-    python benchmarks/bench_bindings.py --profile    # adds an empty-rule op to the small NUFFT
+    python benchmarks/bench_bindings.py --profile    # adds empty-rule ops to the small forwards
     python benchmarks/bench_bindings.py --only nufft # the cases whose key contains "nufft"
 
 Rules a user would bind, from PyPI packages, each declared with jaxdecl as the
@@ -502,9 +502,31 @@ def kdtree_case(opts, n_points, n_queries, mode):
             params["scale"] * x[None] + shifts[:, None, :])
     candidates = {"direct": direct, "jaxdecl": lambda: of(Nearest(tree)),
                   "pure_callback": lambda: of(_pure_nearest(tree))}
+    if opts.profile and mode == "forward" and n_queries <= 1_000:
+        candidates["jaxdecl[empty]"] = lambda: of(NearestEmpty(tree))
     # Leaves compare in the direct call's order: a grad dict's leaves are sorted by key.
     return Built(title, candidates, peers=("pure_callback",), rtol=1e-10, atol=1e-12,
                  details=details)
+
+
+class NearestEmpty(Nearest):
+    """The query's signature (an array and a dict in, two results) with an empty forward."""
+
+    @jd.forward
+    def apply(self, x, params, *, out):
+        pass
+
+
+class SameShapeEmpty(jd.Primitive):
+    """One array in, one of its shape and dtype out, and a forward that does nothing."""
+
+    @jd.abstract
+    def shapes(self, x):
+        return _sds(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x, *, out):
+        pass
 
 
 # ---------------------------------------------------------------------------
@@ -541,6 +563,8 @@ def fft_case(opts, shape, mode):
     candidates = {"direct": direct,
                   "jaxdecl": lambda: of(ducc.c2c(axes=axes, forward=True, nthreads=1)),
                   "jnp.fft": lambda: of(jnp_fft)}
+    if opts.profile and mode == "forward" and x.size <= 10_000:
+        candidates["jaxdecl[empty]"] = lambda: of(SameShapeEmpty())
     return Built(title, candidates, peers=("jnp.fft",), rtol=1e-10, atol=1e-12, details=details)
 
 
@@ -755,6 +779,17 @@ def markdown(report) -> str:
                      f"{_cell(get('jaxdecl', 'vs_direct'))} | {_cell(get('jaxdecl', 'vs_peer'))} "
                      f"| {_cell(get('jaxdecl[C]', 'vs_peer'))} | "
                      f"{_cell(get('jaxdecl[C+plan]', 'vs_peer'))} | {_cell(tree)} |")
+    overheads = [case for case in report["cases"].values()
+                 if {"direct", "jaxdecl", "jaxdecl[empty]"} <= set(case["variants"])]
+    if overheads:  # --profile: the goal, direct call + an empty op of the same signature
+        lines += ["", "| case | direct µs | jaxdecl µs | empty op µs | jaxdecl − direct − empty "
+                  "µs | jaxdecl / (direct + empty) |", "|---|---:|---:|---:|---:|---:|"]
+        for case in overheads:
+            direct, op, empty = (case["variants"][name]["median_s"] * 1e6
+                                 for name in ("direct", "jaxdecl", "jaxdecl[empty]"))
+            lines.append(f"| {case['title']} | {_cell(direct, 1)} | {_cell(op, 1)} | "
+                         f"{_cell(empty, 1)} | {_cell(op - direct - empty, 1)} | "
+                         f"{_cell(op / (direct + empty))} |")
     return "\n".join(lines)
 
 
@@ -788,7 +823,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few rounds")
     parser.add_argument("--profile", action="store_true",
-                        help="add an empty-rule op to the small NUFFT forward case")
+                        help="add an op of the same signature with an empty rule to the small "
+                             "NUFFT, KD-tree and FFT forward cases")
     parser.add_argument("--only", default=None, help="run the cases whose key contains this")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per variant")
     parser.add_argument("--out", default=str(HERE / "results_bindings"),
