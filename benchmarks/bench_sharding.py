@@ -132,8 +132,16 @@ def _mesh():
                          devices=jax.devices()[:NDEV])
 
 
+def _spec_text(spec) -> str:
+    """A partition spec as ``P('d',)`` on every JAX (before 0.9 its repr is
+    ``PartitionSpec('d',)``); anything else as its own text."""
+    if isinstance(spec, jax.sharding.PartitionSpec):
+        return f"P{tuple(spec)!r}"
+    return str(spec)
+
+
 def _spec(value) -> str:
-    return str(getattr(value.sharding, "spec", value.sharding))
+    return _spec_text(getattr(value.sharding, "spec", value.sharding))
 
 
 def build(rows: int, cols: int):
@@ -373,7 +381,7 @@ def _placement(value) -> dict:
     if spec is None:  # pure_callback's GSPMDSharding: "{maximal device=0}" says where it is
         to_hlo = getattr(sharding, "_to_xla_hlo_sharding", None)
         spec = sharding if to_hlo is None else to_hlo(value.ndim)
-    return {"spec": str(spec), "devices": len(sharding.device_set)}
+    return {"spec": _spec_text(spec), "devices": len(sharding.device_set)}
 
 
 def eager(quick: bool, shape=(64, 1024)) -> dict:
