@@ -89,16 +89,16 @@ JAX_08_PSUM_CELLS = {("shard_map-1d", "reduce", "hessian"), ("shard_map-2d", "re
                      ("shard_map-2d", "reduce", "hessian")}
 
 
-def _jax_minor() -> tuple:
-    import jax
-
-    return tuple(int(part) for part in jax.__version__.split(".")[:2])
-
-
 def _explicit_reductions() -> bool:
     from jaxdecl import _compat
 
     return _compat.EXPLICIT_REDUCTIONS
+
+
+def _jax_version() -> tuple:
+    from jaxdecl import _compat
+
+    return _compat.JAX_VERSION
 
 
 def known_failure(mode: str, kind: str, transform: str) -> str | None:
@@ -107,7 +107,7 @@ def known_failure(mode: str, kind: str, transform: str) -> str | None:
         return ONCE_PER_DEVICE
     if mode == "partial_free-2d":
         return PARTIAL_AUTO_AXES
-    if (mode, kind, transform) in JAX_08_PSUM_CELLS and _jax_minor() == (0, 8):
+    if (mode, kind, transform) in JAX_08_PSUM_CELLS and _jax_version()[:2] == (0, 8):
         return JAX_08_PSUM_BATCHING
     return None
 
