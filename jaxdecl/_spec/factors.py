@@ -180,7 +180,7 @@ def rule_factors(resolved: Resolved, interface, rule: str, wrt: int, batch: tupl
     elif rule == "vjp":
         operands, results = ins + float_outs + extras, tuple(ins[i] for i in diff)
     elif rule == "transpose":
-        operands = tuple(ins[i] for i in range(n) if not interface.diff[i]) + float_outs
+        operands = tuple(ins[i] for i in interface.nondiff_indices) + float_outs
         results = tuple(ins[i] for i in diff)
     elif rule == "transpose_wrt":
         operands = tuple(ins[i] for i in range(n) if i != wrt) + float_outs

@@ -108,12 +108,15 @@ class Interface:
 
     # Derived once, read at every step of a trace (attributes, not properties).
     diff_indices: tuple = dataclasses.field(init=False, repr=False, compare=False)
+    #: The input leaves without a tangent (integers, nondiff=): a transpose's lead operands.
+    nondiff_indices: tuple = dataclasses.field(init=False, repr=False, compare=False)
     float_out_indices: tuple = dataclasses.field(init=False, repr=False, compare=False)
     #: Some argument or output is a pytree rather than an array.
     structured: bool = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         derived = {"diff_indices": tuple(i for i, d in enumerate(self.diff) if d),
+                   "nondiff_indices": tuple(i for i, d in enumerate(self.diff) if not d),
                    "float_out_indices": tuple(i for i, f in enumerate(self.float_out) if f),
                    "structured": any(g.tree is not None
                                      for g in self.in_groups + self.out_groups)}

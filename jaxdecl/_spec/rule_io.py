@@ -182,7 +182,7 @@ def _rule_io(spec, interface: Interface, rule: str, wrt: int) -> RuleIO:
                 lead.append(Group(g.tree, tuple(range(position, position + len(g.positions)))))
                 position += len(g.positions)
             lead = tuple(lead)
-            lead_names = tuple(interface.input_names[i] for i in range(n) if not interface.diff[i])
+            lead_names = tuple(interface.input_names[i] for i in interface.nondiff_indices)
         cts = _tangent_groups(interface.out_groups, interface.float_out, len(lead_names))
         groups = _tangent_groups(params, interface.diff, 0)
         avals = tuple(interface.inputs[i] for i in diff)

@@ -123,7 +123,7 @@ def jvp_rule(operands, tangents, *, equation):
             return _jvp_nonlinear(eqn, interface, operands, tangents)
     elif rule in (TRANSPOSE, TRANSPOSE_WRT):
         lead = [i for i in range(len(interface.inputs)) if i != wrt] if rule == TRANSPOSE_WRT \
-            else [i for i in range(len(interface.inputs)) if not interface.diff[i]]
+            else list(interface.nondiff_indices)
         _check_nondiff(op, interface, tangents[:len(lead)], lead)
 
     linear = _linear_operands(op, interface, rule, wrt)
@@ -285,7 +285,7 @@ def _from(start: int, results, count: int) -> list:
 def _transpose_linear(eqn, operands, undefined, float_cts) -> list:
     """forward of a linear op -> its transpose, given the non-differentiable inputs."""
     interface, out_cts = eqn.interface, [None] * len(operands)
-    lead = [i for i in range(len(interface.inputs)) if not interface.diff[i]]
+    lead = interface.nondiff_indices
     if any(k in undefined for k in lead):
         raise ValueError(f"{eqn.name}: a nondiff input cannot be transposed")
     results = bind(eqn.with_rule(TRANSPOSE), [operands[k] for k in lead] + float_cts)
@@ -324,7 +324,7 @@ def _transpose_derivative(eqn, operands, undefined, float_cts) -> list:
 def _transpose_of_transpose(eqn, operands, undefined, float_cts) -> list:
     """transpose -> the forward, with the cotangents as its differentiable inputs."""
     interface = eqn.interface
-    lead = [i for i in range(len(interface.inputs)) if not interface.diff[i]]
+    lead = interface.nondiff_indices
     args = _inputs(len(interface.inputs), lead=(lead, operands), diff=(interface.diff_indices,
                                                                       float_cts))
     results = bind(eqn.with_rule(FORWARD), args)

@@ -119,7 +119,7 @@ def _transpose_of_user_batch(op, args, dims, interface):
     """Batches ``transpose`` as the linear transpose of the user's batched forward."""
     n = len(interface.inputs)
     diff = interface.diff_indices
-    lead = [i for i in range(n) if not interface.diff[i]]
+    lead = interface.nondiff_indices
     size = _batch_size(args, dims)
     n_lead = len(lead)
     lead_args, lead_dims = args[:n_lead], dims[:n_lead]
