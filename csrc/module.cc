@@ -13,6 +13,7 @@
 #include <memory>
 #include <string>
 
+#include "gpu/gpu.h"
 #include "registry.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -65,7 +66,7 @@ py::dict ElementTypes() {
 }  // namespace
 
 PYBIND11_MODULE(_dispatch, m) {
-  m.doc() = "jaxdecl's XLA FFI dispatcher (CPU).";
+  m.doc() = "jaxdecl's XLA FFI dispatcher (CPU and CUDA).";
   if (_import_array() < 0) throw py::error_already_set();
   if (!jaxdecl::Initialize()) throw py::error_already_set();
 
@@ -171,4 +172,6 @@ PYBIND11_MODULE(_dispatch, m) {
         "Drops now the references that destroyed call sites left to drop later.");
   m.def("call_site_count", &jaxdecl::CallSiteCount,
         "How many call sites of live compiled executables hold a kernel.");
+
+  jaxdecl::gpu::DefineModule(m);  // the CUDA handlers, device rules, their tests
 }
