@@ -29,6 +29,15 @@ def kernel_of(op, *args, batch: tuple = ()):
     return eqn.kernel(shapes)
 
 
+def kernel_for(op, args, rule: str, operand_shapes: tuple, wrt: int = -1):
+    """``(kernel, pin)``: the kernel of `op`'s equation `rule` (an interface rule name:
+    "forward", "jvp", "vjp", "transpose", ...) at inputs `args`, on operands of
+    `operand_shapes`."""
+    handle = handle_of(op)
+    _, signature = flatten_inputs(handle.spec, args)
+    return Equation(BoundOp(handle, op), rule, signature, (), wrt).kernel(operand_shapes)
+
+
 def describe(array: np.ndarray) -> tuple:
     """``(address, shape, type code)``: a NumPy array as a "device" buffer of the fake."""
     return array.ctypes.data, list(array.shape), CODES[array.dtype.name]

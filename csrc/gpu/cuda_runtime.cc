@@ -37,6 +37,7 @@ CudaRuntime* TableOf(void* library, const std::string& origin, std::string* miss
   runtime->origin = origin;
   Bind(library, "cudaSetDevice", &runtime->SetDevice, missing);
   Bind(library, "cudaMemcpyAsync", &runtime->MemcpyAsync, missing);
+  Bind(library, "cudaMemsetAsync", &runtime->MemsetAsync, missing);
   Bind(library, "cudaStreamSynchronize", &runtime->StreamSynchronize, missing);
   Bind(library, "cudaHostAlloc", &runtime->HostAlloc, missing);
   Bind(library, "cudaFreeHost", &runtime->FreeHost, missing);
@@ -129,6 +130,12 @@ int FakeMemcpyAsync(void* dst, const void* src, size_t bytes, int kind, void* st
   return code;
 }
 
+int FakeMemsetAsync(void* dst, int value, size_t bytes, void* stream) {
+  int code = Enter("MemsetAsync", {AsInt(dst), value, static_cast<int64_t>(bytes), AsInt(stream)});
+  if (code == 0 && bytes > 0) std::memset(dst, value, bytes);
+  return code;
+}
+
 int FakeStreamSynchronize(void* stream) { return Enter("StreamSynchronize", {AsInt(stream)}); }
 
 int FakeHostAlloc(void** pointer, size_t bytes, unsigned flags) {
@@ -207,7 +214,7 @@ const char* FakeErrorString(int code) {
 
 const CudaRuntime* FakeTable() {
   static const CudaRuntime* table = new CudaRuntime{
-      "the fake CUDA runtime (host memory)", FakeSetDevice, FakeMemcpyAsync,
+      "the fake CUDA runtime (host memory)", FakeSetDevice, FakeMemcpyAsync, FakeMemsetAsync,
       FakeStreamSynchronize, FakeHostAlloc, FakeFreeHost, FakeEventCreateWithFlags,
       FakeEventRecord, FakeEventSynchronize, FakeEventDestroy, FakeStreamWaitEvent,
       FakeErrorName, FakeErrorString};

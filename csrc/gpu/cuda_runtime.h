@@ -38,6 +38,7 @@ struct CudaRuntime {
   std::string origin;  // where the functions come from, for messages
   int (*SetDevice)(int device);
   int (*MemcpyAsync)(void* dst, const void* src, size_t bytes, int kind, void* stream);
+  int (*MemsetAsync)(void* dst, int value, size_t bytes, void* stream);
   int (*StreamSynchronize)(void* stream);
   int (*HostAlloc)(void** pointer, size_t bytes, unsigned flags);
   int (*FreeHost)(void* pointer);

@@ -137,6 +137,12 @@ void DefineModule(py::module_& m) {
   }, py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("stream"),
         "Enqueues a device-to-device copy on `stream`.");
 
+  m.def("zero_on_device", [](uintptr_t dst, size_t bytes, uintptr_t stream) {
+    const CudaRuntime& rt = RuntimeOrThrow();
+    Check(rt, rt.MemsetAsync(AsPointer(dst), 0, bytes, AsPointer(stream)), "cudaMemsetAsync");
+  }, py::arg("dst"), py::arg("bytes"), py::arg("stream"),
+        "Enqueues zeroing `bytes` bytes of device memory on `stream`.");
+
   m.def("synchronize_stream", [](uintptr_t stream) {
     const CudaRuntime& rt = RuntimeOrThrow();
     int code;

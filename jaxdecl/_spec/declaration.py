@@ -27,6 +27,7 @@ import dataclasses
 from typing import Any
 
 from .._errors import DeclarationError
+from . import device_rules as _device_rules
 from . import residuals as _residuals
 from . import signatures as _signatures
 from .cfunction import CFunction
@@ -50,6 +51,9 @@ class OpSpec:
     batch_mode: str
     sharding: ShardingRule | None = None  # from the class options (else maybe @sharding)
     keeps: _residuals.Keeps | None = None  # residuals and result= (None: no rule uses them)
+    # platform="gpu": kind -> Rule, and multilinear input name -> Rule (see _device_rules)
+    device_rules: dict = dataclasses.field(default_factory=dict)
+    device_transposes_wrt: dict = dataclasses.field(default_factory=dict)
 
     def rule(self, kind: str) -> Rule | None:
         return self.rules.get(kind)
@@ -79,7 +83,7 @@ def build_spec(cls, options: dict[str, Any]) -> OpSpec:
     """Collects and validates the rules of `cls`; raises DeclarationError."""
     name = cls.__name__
     opts = _read_options(name, options)
-    rules, transposes_wrt = _collect(name, cls)
+    rules, transposes_wrt, device = _collect(name, cls)
     _check_rule_kinds(name, rules)
     # The inputs' names come from @abstract (a C kernel's @forward has none);
     # @forward and @sharding must name the same ones.
@@ -96,9 +100,11 @@ def build_spec(cls, options: dict[str, Any]) -> OpSpec:
     _signatures.check_rules(name, rules, transposes_wrt, params, opts.nondiff)
     keeps = _residuals.declare(name, rules, transposes_wrt, params,
                                opts.linear or opts.multilinear, _signatures.method_inputs)
+    device_rules, device_wrt = _device_rules.declare(name, device, rules, transposes_wrt)
     return OpSpec(name=name, params=params, rules=rules, transposes_wrt=transposes_wrt,
                   linear=opts.linear, multilinear=opts.multilinear, nondiff=opts.nondiff,
-                  batch_mode=opts.batch_mode, sharding=declared, keeps=keeps)
+                  batch_mode=opts.batch_mode, sharding=declared, keeps=keeps,
+                  device_rules=device_rules, device_transposes_wrt=device_wrt)
 
 
 def _read_options(name: str, options: dict) -> _Options:
@@ -119,11 +125,16 @@ def _read_options(name: str, options: dict) -> _Options:
     return _Options(linear, multilinear, frozenset(nondiff), batch_mode)
 
 
-def _collect(name: str, cls) -> tuple[dict, dict]:
-    """``(rules by kind, multilinear transposes by input)``: one method per role."""
+def _collect(name: str, cls) -> tuple[dict, dict, list]:
+    """``(rules by kind, multilinear transposes by input, device rules)``: one method per
+    role (device rules are checked apart, see :mod:`jaxdecl._spec.device_rules`)."""
     rules: dict[str, Rule] = {}
     transposes_wrt: dict[str, Rule] = {}
+    device: list[Rule] = []
     for rule in collect_rules(cls):
+        if rule.platform is not None:
+            device.append(rule)
+            continue
         if rule.kind == "transpose" and rule.wrt is not None:
             if rule.wrt in transposes_wrt:
                 raise DeclarationError(
@@ -136,7 +147,7 @@ def _collect(name: str, cls) -> tuple[dict, dict]:
                 f"{name}: two @{rule.kind} methods, {rules[rule.kind].name} and {rule.name}; "
                 f"keep one")
         rules[rule.kind] = rule
-    return rules, transposes_wrt
+    return rules, transposes_wrt, device
 
 
 def _check_rule_kinds(name: str, rules: dict) -> None:

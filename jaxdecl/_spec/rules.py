@@ -44,29 +44,40 @@ class Rule:
     traceable: bool = False  # takes and returns JAX values (jax.numpy, other ops)
     wrt: str | None = None  # multilinear transpose: which input
     zero_copy: bool = False  # fills a keyword-only `out` instead of returning
+    platform: str | None = None  # "gpu": a device rule (device arrays, XLA's stream)
 
     def bind(self, instance) -> Callable:
         return self.function.__get__(instance, type(instance))
 
 
-def _make_decorator(kind: str, doc: str, *, traceable_ok: bool = False, wrt_ok: bool = False):
-    def decorator(function=None, *, traceable: bool = False, wrt: str | None = None):
+#: The platforms a rule may be declared for besides the host: ``"gpu"``, a device rule.
+PLATFORMS = ("gpu",)
+
+
+def _make_decorator(kind: str, doc: str, *, traceable_ok: bool = False, wrt_ok: bool = False,
+                    platform_ok: bool = False):
+    def decorator(function=None, *, traceable: bool = False, wrt: str | None = None,
+                  platform: str | None = None):
         if traceable and not traceable_ok:
             raise TypeError(f"@jd.{kind} takes no traceable= option")
         if wrt is not None and not wrt_ok:
             raise TypeError(f"@jd.{kind} takes no wrt= option")
+        _check_platform(kind, platform, platform_ok, traceable)
 
         def mark(fn):
             if not callable(fn):
                 raise TypeError(f"@jd.{kind} decorates a method, got {fn!r}")
+            where = _platform_of(kind, fn, platform)
             existing = rule_of(fn)
-            if existing is not None and (existing.kind, existing.wrt) != (kind, wrt):
+            if existing is not None and (existing.kind, existing.wrt, existing.platform) != (
+                    kind, wrt, where):
                 raise DeclarationError(
-                    f"{existing.name} is already marked {_label(existing.kind, existing.wrt)}; a "
-                    f"method has one role, so {_label(kind, wrt)} cannot also apply. To use one "
+                    f"{existing.name} is already marked "
+                    f"{_label(existing.kind, existing.wrt, existing.platform)}; a method has "
+                    f"one role, so {_label(kind, wrt, where)} cannot also apply. To use one "
                     f"function for both, give the second role its own method that calls the first"
                 )
-            setattr(fn, _MARK, Rule(kind, fn.__name__, fn, traceable, wrt, _takes_out(fn)))
+            setattr(fn, _MARK, Rule(kind, fn.__name__, fn, traceable, wrt, _takes_out(fn), where))
             return fn
 
         return mark if function is None else mark(function)
@@ -76,7 +87,8 @@ def _make_decorator(kind: str, doc: str, *, traceable_ok: bool = False, wrt_ok: 
     decorator.__doc__ = doc
     # help() and the API reference show the options this decorator takes, not all of them.
     keywords = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
-                for name, default, ok in (("traceable", False, traceable_ok), ("wrt", None, wrt_ok))
+                for name, default, ok in (("traceable", False, traceable_ok), ("wrt", None, wrt_ok),
+                                          ("platform", None, platform_ok))
                 if ok]
     decorator.__signature__ = inspect.Signature(
         [inspect.Parameter("function", inspect.Parameter.POSITIONAL_OR_KEYWORD,
@@ -84,8 +96,38 @@ def _make_decorator(kind: str, doc: str, *, traceable_ok: bool = False, wrt_ok: 
     return decorator
 
 
-def _label(kind: str, wrt: str | None) -> str:
-    return f"@jd.{kind}" + (f"(wrt={wrt!r})" if wrt is not None else "")
+def _label(kind: str, wrt: str | None, platform: str | None = None) -> str:
+    options = [f"{k}={v!r}" for k, v in (("wrt", wrt), ("platform", platform)) if v is not None]
+    return f"@jd.{kind}" + (f"({', '.join(options)})" if options else "")
+
+
+def _check_platform(kind: str, platform, platform_ok: bool, traceable: bool) -> None:
+    if platform is None:
+        return
+    if not platform_ok:
+        raise TypeError(
+            f"@jd.{kind} takes no platform= option: it runs when the op is traced, the same "
+            f"for every platform; only the rules that run on buffers (forward, jvp, vjp, "
+            f"transpose) have device forms")
+    if platform not in PLATFORMS:
+        raise TypeError(
+            f"@jd.{kind}(platform={platform!r}): the platform of a device rule is 'gpu' (the "
+            f"rule without platform= serves the CPU, and every platform without a device rule)")
+    if traceable:
+        raise TypeError(
+            f"@jd.{kind}(traceable=True, platform='gpu'): a traceable rule is JAX code, which "
+            f"runs on every platform already; a device rule receives device arrays instead")
+
+
+def _platform_of(kind: str, fn, platform):
+    """The rule's platform: given, or "gpu" for a C kernel built for the GPU."""
+    compiled_for = getattr(fn, "platform", None) if isinstance(fn, CFunction) else None
+    if platform == "gpu" and isinstance(fn, CFunction) and compiled_for != "gpu":
+        raise TypeError(
+            f"@jd.{kind}(platform='gpu') got the C kernel {fn.__name__}, built for the CPU; a "
+            f"GPU C kernel takes XLA's stream too (jaxdecl.h's jaxdecl_gpu_kernel): wrap it "
+            f"with jd.cfunction(fn, platform='gpu')")
+    return compiled_for or platform
 
 
 def _takes_out(fn) -> bool:
@@ -131,7 +173,13 @@ Example:
     ...         np.multiply(x, x, out=out)
     >>> float(Square()(3.0))
     9.0
-""")
+
+With ``platform="gpu"`` it marks a device rule: on a GPU, the rule receives
+device arrays (``__cuda_array_interface__``, ``__dlpack__``) and XLA's stream
+as the keyword ``stream``, instead of host copies; the rule without
+``platform=`` serves the CPU. The same keyword marks the device form of every
+rule below that runs on buffers.
+""", platform_ok=True)
 
 jvp = _make_decorator("jvp", """Marks the forward-mode rule ``(self, *inputs, *tangents)``.
 
@@ -158,7 +206,7 @@ Example:
     ...         return jax.numpy.cos(x) * dx
     >>> round(float(jax.grad(Sin())(0.0)), 6)
     1.0
-""", traceable_ok=True)
+""", traceable_ok=True, platform_ok=True)
 
 vjp = _make_decorator("vjp", """Marks the reverse-mode rule ``(self, *inputs, *cotangents)``.
 
@@ -182,7 +230,7 @@ Example:
     ...         return 3 * x**2 * ct
     >>> float(jax.grad(Cube())(2.0))
     12.0
-""", traceable_ok=True)
+""", traceable_ok=True, platform_ok=True)
 
 transpose = _make_decorator("transpose", """Marks the transpose of a linear or multilinear op.
 
@@ -203,7 +251,7 @@ Example:
     ...         return 3 * ct
     >>> float(jax.grad(Scale())(1.0))
     3.0
-""", wrt_ok=True)
+""", wrt_ok=True, platform_ok=True)
 
 adjoint = _make_decorator("adjoint", """Marks the conjugate transpose Aᴴy of a linear op.
 
@@ -226,7 +274,7 @@ Example:
     ...         return -1j * y
     >>> complex(jax.linear_transpose(Rotate(), 1j)(1.0 + 0j)[0]) == 1j
     True
-""")
+""", platform_ok=True)
 
 batch = _make_decorator("batch", """Marks a trace-time batching rule ``(self, args, axes)``.
 
