@@ -17,6 +17,7 @@ import pytest
 from conftest import needs_split, run_helper
 from helpers_gpu import kernel_of
 from ops import compile_c
+from ops_gpu import Batched, Vectorized
 
 import jaxdecl as jd
 from jaxdecl import _compat
@@ -49,31 +50,6 @@ def assert_cuda_calls(f, *args, names=()):
     called = {re.search(r'name = "([^"]*)"', a).group(1) for _, a in found}
     assert set(names) <= called, called
     return text
-
-
-class Vectorized(jd.Primitive, batch="vectorized"):
-    @jd.abstract
-    def shapes(self, x):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype)
-
-    @jd.forward
-    def apply(self, x):
-        return np.cumsum(x, axis=-1)
-
-
-class Batched(jd.Primitive):
-    @jd.abstract
-    def shapes(self, x):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype)
-
-    @jd.forward
-    def apply(self, x):
-        return x[::-1].copy()
-
-    @jd.batch
-    def batched(self, args, axes):
-        (x,), (axis,) = args, axes
-        return jnp.stack([self(row) for row in jnp.moveaxis(x, axis, 0)]), 0
 
 
 X = jnp.linspace(0.1, 0.9, 4)

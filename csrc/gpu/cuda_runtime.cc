@@ -143,8 +143,10 @@ int FakeHostAlloc(void** pointer, size_t bytes, unsigned flags) {
   int code = Enter("HostAlloc", {static_cast<int64_t>(bytes), flags});
   if (code != 0) return code;
   // 64-byte aligned, as XLA's buffers are (and cudaHostAlloc's pages).
-  *pointer = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
-  if (*pointer == nullptr) return 2;  // cudaErrorMemoryAllocation
+  if (posix_memalign(pointer, 64, bytes) != 0) {
+    *pointer = nullptr;
+    return 2;  // cudaErrorMemoryAllocation
+  }
   std::lock_guard<std::mutex> lock(fake().mutex);
   ++fake().live_allocations;
   std::get<1>(fake().log.back()).push_back(AsInt(*pointer));

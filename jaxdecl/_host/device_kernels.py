@@ -36,7 +36,7 @@ from .._spec.rule_io import RuleIO
 from . import kernels as _kernels
 from . import registry as _registry  # noqa: F401 - first: says how to build a missing extension
 from ._dispatch import copy_on_device, stream_wait, synchronize_stream, zero_on_device
-from .devices import DeviceArray, dtype_of
+from .devices import DeviceArray, Stream, dtype_of
 
 _current = threading.local()  # .stream: XLA's stream of the call this thread runs
 
@@ -81,7 +81,7 @@ def make_device_kernel(function, *, zero_copy: bool, io: RuleIO, context: str,
     n_rows = len(rows)
 
     def kernel(ins, outs, stream, ordinal, eager):
-        _current.stream = stream
+        _current.stream = Stream(stream)
         inputs = [DeviceArray(a, s, dtype_of(c), read_only=True, stream=stream, ordinal=ordinal)
                   for a, s, c in ins]
         outputs = [DeviceArray(a, s, dtype_of(c), read_only=False, stream=stream,

@@ -23,6 +23,8 @@ Example:
     ...                 stream=0x5EED, ordinal=0)
     >>> x.__cuda_array_interface__["data"], x.__dlpack_device__()
     ((139637976727552, True), (2, 0))
+    >>> Stream(0x5EED).__cuda_stream__()
+    (0, 24301)
 """
 
 from __future__ import annotations
@@ -44,6 +46,18 @@ _DTYPES = {code: dtype for dtype, code in _CODES.items()}
 def dtype_of(code: int) -> np.dtype:
     """The NumPy dtype of an XLA element type code."""
     return _DTYPES[code]
+
+
+class Stream(int):
+    """XLA's CUDA stream, as the ``stream`` a device rule receives: an int (the
+    ``cudaStream_t``), and an object of the CUDA stream protocol (``__cuda_stream__``), so
+    ``cupy.cuda.Stream.from_external(stream)`` wraps it as ``cupy.cuda.ExternalStream(stream)``
+    does."""
+
+    __slots__ = ()
+
+    def __cuda_stream__(self) -> tuple:
+        return 0, int(self)
 
 
 class DeviceArray:
