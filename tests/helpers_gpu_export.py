@@ -31,11 +31,13 @@ PLATFORMS = ["cpu", "cuda"]
 
 
 def inputs():
-    x = jnp.linspace(0.1, 0.8, 8)
-    m = jnp.arange(32.0).reshape(8, 4) / 40
+    cpu = jax.devices("cpu")[0]
+    x = jax.device_put(jnp.linspace(0.1, 0.8, 8), cpu)
+    m = jax.device_put(jnp.arange(32.0).reshape(8, 4) / 40, cpu)
     if DEVICES == 1:
         return (x, m), None
-    mesh = jax.make_mesh((DEVICES,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh((DEVICES,), ("d",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices("cpu"))  # (host devices, even beside a GPU)
     shardings = (jax.NamedSharding(mesh, jax.P("d")), jax.NamedSharding(mesh, jax.P("d", None)))
     return tuple(jax.device_put(v, s) for v, s in zip((x, m), shardings)), shardings
 

@@ -163,7 +163,8 @@ def _fresh_calls():
 
 def test_the_cpu_runs_the_host_rule_and_the_gpu_the_device_rule():
     op, x = fake_ops.Scale(2.0), np.arange(4.0)
-    np.testing.assert_array_equal(jax.jit(op)(x), 2 * x)  # the host rule
+    on_cpu = jax.device_put(x, jax.devices("cpu")[0])  # (the default device may be a GPU)
+    np.testing.assert_array_equal(jax.jit(op)(on_cpu), 2 * x)  # the host rule
     kernel, pin = kernel_of(op, x)
     out = np.zeros(4)
     with fake_cuda():
@@ -389,3 +390,46 @@ def test_a_gpu_c_kernel_gets_the_stream_and_the_rows(tmp_path):
         error = run(empty, [np.zeros(0)], [np.zeros(0)])
     assert error == ("jaxdecl: Quintuple.<lambda> (@forward): GPU C kernel failed with status "
                      "4: no elements")
+
+
+class Exp(jd.Primitive):
+    """exp of a dict's leaves; the @vjp reads the forward's result (result=)."""
+
+    @jd.abstract
+    def shapes(self, p):
+        return {"a": same(p["a"]), "b": same(p["b"])}
+
+    @jd.forward
+    def apply(self, p):
+        return {"a": np.exp(p["a"]), "b": np.exp(p["b"])}
+
+    @jd.forward(platform="gpu")
+    def apply_gpu(self, p, *, out, stream):
+        for key in ("a", "b"):
+            np.exp(host(p[key]), out=host(out[key]))
+            host(out[key])[...] *= 10  # (so that the device rule is seen to run)
+
+    @jd.vjp
+    def pull(self, p, ct, *, result):
+        return {"a": ct["a"] * result["a"], "b": ct["b"] * result["b"]}
+
+    @jd.vjp(platform="gpu")
+    def pull_gpu(self, p, ct, *, result, stream):
+        return {k: HostArray(host(ct[k]) * host(result[k]) * 10) for k in ("a", "b")}
+
+
+def test_pytrees_and_result_reach_device_rules():
+    op, a, b = Exp(), np.arange(3.0), np.ones(2)
+    forward, pin = kernel_of(op, {"a": a, "b": b})
+    out_a, out_b = np.zeros(3), np.zeros(2)
+    with fake_cuda():
+        assert run(forward, [a, b], [out_a, out_b]) is None
+    np.testing.assert_allclose(out_a, 10 * np.exp(a))
+    np.testing.assert_allclose(out_b, 10 * np.exp(b))
+    # The vjp's operands: the inputs' leaves, the cotangents' leaves, then the result's.
+    pull, pin2 = kernel_for(op, ({"a": a, "b": b},), "vjp", ((3,), (2,)) * 3)
+    ct_a, ct_b, grad_a, grad_b = np.ones(3), np.full(2, 2.0), np.zeros(3), np.zeros(2)
+    with fake_cuda():
+        assert run(pull, [a, b, ct_a, ct_b, out_a, out_b], [grad_a, grad_b]) is None
+    np.testing.assert_allclose(grad_a, ct_a * out_a * 10)
+    np.testing.assert_allclose(grad_b, ct_b * out_b * 10)

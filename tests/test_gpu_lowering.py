@@ -129,7 +129,8 @@ def test_c_kernels_lower_for_cuda(tmp_path):
 
 
 def _mesh(kind):
-    return jax.make_mesh((2,), ("d",), axis_types=(kind,))
+    # (the host devices conftest makes: on a GPU machine the default backend has one GPU)
+    return jax.make_mesh((2,), ("d",), axis_types=(kind,), devices=jax.devices("cpu")[:2])
 
 
 def _sharded(mesh, value, *spec):

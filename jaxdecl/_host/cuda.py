@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 
 import jax
 
@@ -53,11 +54,21 @@ def candidate_runtimes() -> list:
 
 def set_up() -> None:
     """Registers the CUDA handlers and their call-site state type, under the CPU targets'
-    names (queued by JAX until a CUDA backend starts), and where the runtime may be."""
+    names (queued by JAX until a CUDA backend starts), and where the runtime may be.
+
+    A CUDA plugin that is already running and refuses them leaves jaxdecl working on
+    the CPU, with a warning that says why: it must not stop ``import jaxdecl``.
+    """
     set_cuda_candidates(candidate_runtimes())
-    # The state type before the handlers that create it (JAX's CUDA plugin registers
-    # queued types before queued handlers, too).
-    _compat.register_ffi_state_type("jaxdecl_call_site", gpu_call_site_type(),
-                                    platform="CUDA")
-    for target, handler in gpu_registrations().items():
-        jax.ffi.register_ffi_target(target, handler, platform="CUDA")
+    try:
+        # The state type before the handlers that create it (JAX's CUDA plugin registers
+        # queued types before queued handlers, too).
+        _compat.register_ffi_state_type("jaxdecl_call_site", gpu_call_site_type(),
+                                        platform="CUDA")
+        for target, handler in gpu_registrations().items():
+            jax.ffi.register_ffi_target(target, handler, platform="CUDA")
+    except Exception as error:  # noqa: BLE001 - reported, and the CPU keeps working
+        warnings.warn(
+            f"jaxdecl could not register its CUDA handlers with JAX's CUDA plugin "
+            f"({type(error).__name__}: {error}); programs with jaxdecl ops run on CPUs only "
+            f"in this process", RuntimeWarning, stacklevel=2)
