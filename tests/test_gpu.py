@@ -12,6 +12,7 @@ import textwrap
 import warnings
 
 import jax
+import jax.export  # noqa: F401 - (older JAX does not import it with jax)
 import jax.numpy as jnp
 import numpy as np
 import ops

@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import jax
+import jax.export  # noqa: F401 - (older JAX does not import it with jax)
 import jax.numpy as jnp
 import numpy as np
 import ops
