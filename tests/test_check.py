@@ -289,8 +289,9 @@ def test_the_message_says_the_error_and_its_tolerance(x64_off):
     message = str(info.value)
     assert message.startswith("jd.check: Sine.push (@jvp) disagrees with finite differences "
                               "for d output / d x: relative error 0.01 against a tolerance of")
-    rtol, fd_error = map(float, re.search(r"\(rtol ([\d.e+-]+) \+ ([\d.e+-]+), the finite "
-                                          r"differences' own error\)", message).groups())
+    rtol, fd_error = map(float, re.search(r"\(rtol ([\d.e+-]+) of the larger of the two \+ "
+                                          r"([\d.e+-]+) for the finite differences' own "
+                                          r"error and rounding\)", message).groups())
     assert rtol == 1e-3 and 0 < fd_error < 1e-3  # accurate enough to see 1 % in float32
     assert message.endswith("; step 0.016 of each input element")
 
@@ -597,3 +598,44 @@ def test_differences_outside_the_domain_are_named():
     with pytest.raises(AssertionError, match=r"finite differences of Root are not finite at "
                                              r"the example inputs \(output is NaN"):
         jd.check(Root(), np.array([0.0, 1.0, 2.0]))
+
+
+class Floor(Shifted):
+    """floor(x), whose @vjp (and the @jvp JAX transposes from it) claims slope 1."""
+
+    @jd.forward
+    def apply(self, x):
+        return np.floor(x)
+
+    @jd.jvp
+    def push(self, x, dx):
+        return dx
+
+
+def test_a_derivative_where_the_op_does_not_move_is_caught():
+    with pytest.raises(AssertionError, match=r"Floor\.push \(@jvp\) disagrees with finite "
+                                             r"differences for d output / d x: off by "
+                                             r"[\d.e+-]+ where finite differences give 0"):
+        jd.check(Floor(), np.array([0.2, 1.3, 2.4]))
+
+
+class Counting(jd.Primitive):
+    """x plus the number of earlier calls: a forward that depends on more than its inputs."""
+
+    calls = 0
+
+    @jd.abstract
+    def shapes(self, x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x):
+        type(self).calls += 1
+        return x + type(self).calls
+
+
+def test_a_forward_that_differs_under_jit_is_named():
+    with pytest.raises(AssertionError, match=r"Counting\.apply gives different output under "
+                                             r"jax\.jit than eagerly \(relative difference "
+                                             r"[\d.e+-]+, tolerance 1e-08\)"):
+        jd.check(Counting(), np.arange(3.0))

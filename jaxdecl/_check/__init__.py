@@ -25,30 +25,50 @@ CHECKS = (derivatives.check_derivatives, transforms.check_vmap, sharding.check_s
 def check(op, *args, rtol: float | None = None, seed: int = 0) -> None:
     """Checks every rule of `op` at `args`; raises AssertionError naming the wrong rule.
 
-    Verifies: ``@abstract`` against the eager result; that the zero-copy
-    ``@forward`` writes every output element; ``jit`` against eager; ``@jvp``
-    against central finite differences; ``@vjp``/``@transpose`` against the
-    tangent map by the dot-product test ⟨ct, J t⟩ = ⟨Jᵀ ct, t⟩ (pairing
-    Re Σ a·b); and ``vmap`` against a loop.
+    Verifies, at the example inputs, in the op's own precision:
 
-    An op with ``@jd.residuals`` also has its forward checked for writing
-    every element of every residual, and for returning the same outputs with
-    and without ``saved``; the derivative checks run through the rules that
-    read ``saved`` (and ``result``), as ``grad`` and ``jvp`` do.
+    - ``@abstract`` against the eager result; a zero-copy ``@forward`` writes
+      every element of ``out`` (an element is unwritten when it keeps its fill
+      in both of two runs with different fills) and does not read it first;
+      the same for the residuals of ``@jd.residuals``, and the same outputs
+      with and without ``saved``;
+    - ``jit`` against eager, and ``vmap`` against a loop of calls;
+    - the tangent map (``@jvp``, or a linear op's forward) against finite
+      differences, per output and input;
+    - the cotangent map (``@vjp``, ``@transpose``, ``@adjoint``) against finite
+      differences too, by ⟨Jᵀ ct, t⟩ against ⟨ct, fd⟩ (pairing Re Σ a·b, no
+      conjugation), so rules that are wrong together are caught; then against
+      the tangent map by the dot-product test ⟨ct, J t⟩ = ⟨Jᵀ ct, t⟩;
+    - a sharding declaration (``sharding=`` or ``@jd.sharding``): the op on two
+      slices along each factor its rules may split, joined (or summed, for
+      ``reduce=``), against the whole op; the residuals likewise.
+
+    Finite differences move each input element by a step relative to its own
+    magnitude, extrapolate central differences at two steps (Richardson), and
+    estimate their own error from rounding and truncation; a derivative must
+    agree with them within ``rtol`` of its own magnitude plus that error. Every
+    other comparison is relative to the magnitude of what it compares. Default
+    tolerances, by the lowest precision among the op's inputs and outputs:
+
+    ============================  =========  ==========  ==========
+    comparison                    float16    float32     float64
+    ============================  =========  ==========  ==========
+    derivatives vs differences    1e-1       1e-3        1e-5
+    values, dot-product test      3e-2       2e-4        1e-8
+    ============================  =========  ==========  ==========
+
+    A failure says which rule is wrong, for which output and input, by how
+    much (relative error) and against what tolerance. Finite differences too
+    coarse to check a derivative at these inputs (rounding noise, curvature
+    within the step) warn (``UserWarning``) instead of passing silently.
 
     Args:
       op: a jaxdecl op instance.
-      *args: example inputs (arrays, scalars or pytrees of them).
-      rtol: relative tolerance for the numeric comparisons; by default keyed
-        by the lowest precision among the inputs.
-      seed: seed of the random tangents and cotangents.
-
-    An op that declares ``sharding=`` (or ``@jd.sharding``) also has its
-    declaration verified: the inputs are cut in two along each factor the
-    rules may split (independent and ``reduce`` ones), the op runs on each
-    half, and the halves' results, joined (or summed, for ``reduce``), must
-    equal the whole op's; so must the halves' residuals, joined, where the
-    declaration gives them factors (``residuals=``).
+      *args: example inputs (arrays, scalars or pytrees of them), inside the
+        op's domain, where it is differentiable.
+      rtol: one relative tolerance for every comparison instead of the
+        defaults (finite differences still add their own error).
+      seed: seed of the random directions and cotangents.
 
     Example:
         >>> import jax, numpy as np, jaxdecl as jd

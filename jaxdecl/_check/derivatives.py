@@ -16,6 +16,7 @@ are named, with their relative error and its tolerance.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import jax
@@ -38,13 +39,13 @@ def check_derivatives(case) -> None:
     maps = _Maps(case, reverse is not None)
     fd = maps.joint = maps.along(maps.direction)
     maps.require_finite(fd)
-    failures = []
-    if forward and _tangent_failures(case, maps, fd, maps.jvp(fd.tangent)):
+    failures, jt = [], maps.jvp(fd.tangent) if forward else None
+    if forward and _tangent_failures(case, maps, fd, jt):
         failures += maps.located(_tangent_failures, forward)
     if reverse and _cotangent_failures(case, maps, fd):
         failures += maps.located(_cotangent_failures, reverse)
-    if not failures and forward and reverse:
-        failures = maps.located(_dot_failures, reverse, only_if=_dot_failures(case, maps, fd))
+    if not failures and forward and reverse and _dot_failures(case, maps, fd, jt):
+        failures = maps.located(_dot_failures, reverse, differences=False)
     if failures:
         raise AssertionError("\n".join(failures))
     if maps.weakest > _WEAK * case.tolerances.derivative or maps.unresolved:
@@ -153,13 +154,14 @@ class _Maps:
                     f"of {fd.step:.2g} of them): give jd.check example inputs inside the "
                     f"op's domain, where it is differentiable")
 
-    def located(self, failures_of, rule, only_if=True) -> list:
-        """The failures of one test along each input alone; the joint failure if none."""
-        if not only_if:
-            return []
+    def located(self, failures_of, rule, differences=True) -> list:
+        """The failures of one test along each input alone (with finite differences along
+        it, or only the tangent); the joint failure if none."""
         found = []
         for i in range(len(self.diff)) if len(self.diff) > 1 else ():
-            found += failures_of(self.case, self, self.alone(i), only=i, rule=rule)
+            along = self.alone(i) if differences else dataclasses.replace(self.joint, tangent=[
+                t if k == i else np.zeros_like(t) for k, t in enumerate(self.joint.tangent)])
+            found += failures_of(self.case, self, along, only=i, rule=rule)
         return found or failures_of(self.case, self, self.joint, rule=rule)
 
 
@@ -168,11 +170,13 @@ def _where(maps, j, i) -> str:
     return f"d {maps.out_names[j]} / d {', '.join(inputs)}"
 
 
-def _relative(error, size, bound, fd_error, rtol) -> str:
+def _relative(error, size, bound, own, rtol) -> str:
+    """By how much, against what: relative to the finite differences' magnitude `size`."""
     if size == 0:
         return f"off by {error:.3g} where finite differences give 0 (within {bound:.2g})"
     return (f"relative error {error / size:.3g} against a tolerance of {bound / size:.2g} "
-            f"(rtol {rtol:.2g} + {fd_error / size:.2g}, the finite differences' own error)")
+            f"(rtol {rtol:.2g} of the larger of the two + {own / size:.2g} for the finite "
+            f"differences' own error and rounding)")
 
 
 def _tangent_failures(case, maps, fd, jt=None, only=None, rule=None) -> list:
@@ -210,8 +214,8 @@ def _cotangent_failures(case, maps, fd, only=None, rule=None) -> list:
         p = sum(pairing(c, v) for c, v in zip(ct, fd.values))
         q = sum(pairing(g, t) for g, t in zip(cts, fd.tangent))
         fd_error = sum(e * float(np.sum(np.abs(c))) for e, c in zip(fd.error, ct))
-        bound = tol.derivative * max(abs(p), abs(q)) + fd_error + tol.dot * sum(
-            magnitude(g, t) for g, t in zip(cts, fd.tangent))
+        own = fd_error + tol.dot * sum(magnitude(g, t) for g, t in zip(cts, fd.tangent))
+        bound = tol.derivative * max(abs(p), abs(q)) + own
         maps.resolve(fd_error, max(abs(p), abs(q)))
         if not abs(p - q) <= bound:
             if rule is None:
@@ -219,15 +223,15 @@ def _cotangent_failures(case, maps, fd, only=None, rule=None) -> list:
             found.append(
                 f"jd.check: {_reverse(case, rule, only)} disagrees with finite differences "
                 f"for {_where(maps, j, only)}: <J^T ct, t> = {q:.6g} but <ct, J t> = {p:.6g} "
-                f"by finite differences, " + _relative(abs(p - q), abs(p), bound, fd_error,
+                f"by finite differences, " + _relative(abs(p - q), abs(p), bound, own,
                                                       tol.derivative))
     return found
 
 
-def _dot_failures(case, maps, fd, only=None, rule=None) -> list:
+def _dot_failures(case, maps, fd, jt=None, only=None, rule=None) -> list:
     """The dot-product test: the cotangent map against the tangent map, to rounding."""
     rtol, found = case.tolerances.dot, []
-    jt = maps.jvp(fd.tangent)
+    jt = maps.jvp(fd.tangent) if jt is None else jt
     random = maps.dot_cotangent
     for j in range(len(random)) if rule is not None else (None,):
         ct = [wide(c) for c in maps.cast(

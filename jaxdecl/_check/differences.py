@@ -1,27 +1,35 @@
 """Finite differences along one direction, with a bound on their own error.
 
-The method, in the op's own precision (the precision the user ships; no float64 copy of
-the op is needed, so ops whose ``@abstract`` fixes float32 are checked as they run):
+The method, in the op's own precision: the op runs as the user ships it (no float64 copy,
+so an op whose ``@abstract`` fixes float32 is checked as it runs, and no rule has to
+accept a precision it was not written for).
 
-- **A step per input element.** Each differentiable input leaf moves along a random
-  direction whose size at each element is that element's magnitude (at least 1e-3 of the
-  leaf's root mean square) times a step ``h`` = eps^(1/4), a power of two (1/64 in
-  float32, 2^-13 in float64), so the differences see the same relative change at any
-  amplitude.
-- **The step actually taken.** ``x ± h·d`` is rounded to the input's dtype; the
-  direction the differences measure is recomputed exactly (in float64) from the rounded
-  points, so rounding the inputs costs nothing. The rule under test gets that direction.
+- **A step per input element.** Each differentiable input leaf moves along a direction
+  whose size at each element is that element's magnitude (at least 1e-3 of the leaf's root
+  mean square) times a step ``h``, first eps^(1/4) as a power of two (1/64 in float32,
+  2^-13 in float64): the same relative change at any amplitude. Each element moves by a
+  random fraction in [1/2, 1] of that, with the sign (complex: the phase) of the gradient
+  the cotangent rule claims for a random projection of the outputs, where there is one: a
+  sum of many inputs then changes as much as the step allows instead of cancelling. A
+  wrong claim only makes it another direction to test along.
+- **The step actually taken.** ``x ± h·d`` is rounded to the input's dtype; the direction
+  the differences measure is recomputed exactly (in float64) from the rounded points, so
+  rounding the inputs costs nothing. The rules under test get that direction.
 - **Richardson extrapolation.** Central differences at ``h`` and ``2h`` (four calls of the
   op) combine to a fourth-order estimate ``(8 D(h) - D(2h)) / 6``.
-- **Its error, estimated per output.** Rounding: each call's error is at most
-  ``8·eps·max|f|`` or what the fourth difference of the five values ``f(x + k·h·d)``,
-  ``k = -2..2``, shows (it measures noise, as in a forward whose last bits vary between
-  runs), whichever is larger, and the extrapolation multiplies it by 1.5. Truncation: the
-  third-order term ``(D(2h) - 2 D(h)) / 6``, the error of the plain central difference,
-  bounds the extrapolated one's.
-- **Smaller steps where needed.** When that error exceeds a quarter of the derivative
-  tolerance relative to the derivative, the step shrinks 16-fold, at most twice, and the
-  most accurate level is kept: four calls of the op usually, twelve at most.
+- **Its error, bounded per output.** Rounding: each call's error is taken as the largest of
+  ``8·eps·max|f|``, twice what two runs at the same inputs differed by (a forward whose
+  last bits vary), and half the fourth difference of the five values ``f(x + k·h·d)``,
+  ``k = -2..2`` (which shows noise, and curvature); the extrapolation multiplies it by 1.5.
+  Truncation: the third-order term ``(D(2h) - 2 D(h)) / 6``, the error of the plain
+  central difference, bounds the extrapolated one's.
+- **A step that fits.** When that error exceeds a quarter of the derivative tolerance
+  relative to the derivative, the step grows 4-fold (to at most 1/8) where rounding
+  limits it, else shrinks 16-fold, and the most accurate of at most three steps is kept:
+  four calls of the op usually, twelve at most.
+- **Resolved or not.** An output whose bound exceeds half its differences is not resolved
+  (the step sees more than the derivative, and the bound is no bound there): it is not
+  compared, and ``jd.check`` warns.
 """
 
 from __future__ import annotations
