@@ -1,6 +1,7 @@
 """The derivative rules, against finite differences and against each other.
 
-Along one random direction ``t`` of the differentiable inputs (:mod:`.differences`):
+Along one direction ``t`` of the differentiable inputs (random, leaning on the gradient the
+cotangent rule claims; :mod:`.differences`):
 
 1. the tangent map (``@jvp``, or a linear op's forward) against finite differences, per
    output: ``max |J t - fd| <= rtol·max(|J t|, |fd|) + the differences' own error``;
