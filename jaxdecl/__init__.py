@@ -37,6 +37,7 @@ from ._transforms import batching as _batching  # noqa: F401
 from ._transforms import lowering as _lowering  # noqa: F401
 from ._transforms import primitive as _primitive  # noqa: F401
 from ._transforms import recipes as _recipes
+from ._transforms import transposition as _transposition  # noqa: F401
 from ._transforms.recipes import disabled_checks
 from ._version import __version__ as __version__
 

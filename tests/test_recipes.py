@@ -91,7 +91,7 @@ VERSION, FORMAT = jd.__version__, _recipes.FORMAT
 #: Every recipe format and the kernel ABI its recipes rebuild kernels for. A new kernel ABI
 #: needs a new format (a recipe of the old one would rebuild a kernel in the new order for a
 #: program compiled against the old order): add the pair here when you bump both.
-FORMATS = {1: "jaxdecl-kernel-1"}
+FORMATS = {1: "jaxdecl-kernel-1", 2: "jaxdecl-kernel-1"}
 
 OLDER = ("this program was saved by jaxdecl {saved_by} (recipe format {saved}); this is "
          "jaxdecl {version} (recipe format {format}), which no longer reads format {saved}: "

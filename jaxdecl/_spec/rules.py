@@ -44,17 +44,24 @@ class Rule:
     traceable: bool = False  # takes and returns JAX values (jax.numpy, other ops)
     wrt: str | None = None  # multilinear transpose: which input
     zero_copy: bool = False  # fills a keyword-only `out` instead of returning
+    zeros: bool = False  # @jvp(zeros=True): symbolically zero tangents arrive as None
+    wanted: bool = False  # takes the keyword-only `wanted` (@vjp, @transpose, @adjoint)
 
     def bind(self, instance) -> Callable:
         return self.function.__get__(instance, type(instance))
 
 
-def _make_decorator(kind: str, doc: str, *, traceable_ok: bool = False, wrt_ok: bool = False):
-    def decorator(function=None, *, traceable: bool = False, wrt: str | None = None):
+def _make_decorator(kind: str, doc: str, *, traceable_ok: bool = False, wrt_ok: bool = False,
+                    zeros_ok: bool = False):
+    def decorator(function=None, *, traceable: bool = False, wrt: str | None = None,
+                  zeros: bool = False):
         if traceable and not traceable_ok:
             raise TypeError(f"@jd.{kind} takes no traceable= option")
         if wrt is not None and not wrt_ok:
             raise TypeError(f"@jd.{kind} takes no wrt= option")
+        if zeros and not zeros_ok:
+            raise TypeError(f"@jd.{kind} takes no zeros= option (only @jd.jvp does: a @vjp or "
+                            f"@transpose takes the keyword-only `wanted` instead)")
 
         def mark(fn):
             if not callable(fn):
@@ -66,7 +73,8 @@ def _make_decorator(kind: str, doc: str, *, traceable_ok: bool = False, wrt_ok: 
                     f"method has one role, so {_label(kind, wrt)} cannot also apply. To use one "
                     f"function for both, give the second role its own method that calls the first"
                 )
-            setattr(fn, _MARK, Rule(kind, fn.__name__, fn, traceable, wrt, _takes_out(fn)))
+            setattr(fn, _MARK, Rule(kind, fn.__name__, fn, traceable, wrt, _takes_out(fn),
+                                    bool(zeros), _takes_keyword(fn, "wanted")))
             return fn
 
         return mark if function is None else mark(function)
@@ -76,7 +84,8 @@ def _make_decorator(kind: str, doc: str, *, traceable_ok: bool = False, wrt_ok: 
     decorator.__doc__ = doc
     # help() and the API reference show the options this decorator takes, not all of them.
     keywords = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
-                for name, default, ok in (("traceable", False, traceable_ok), ("wrt", None, wrt_ok))
+                for name, default, ok in (("traceable", False, traceable_ok), ("wrt", None, wrt_ok),
+                                          ("zeros", False, zeros_ok))
                 if ok]
     decorator.__signature__ = inspect.Signature(
         [inspect.Parameter("function", inspect.Parameter.POSITIONAL_OR_KEYWORD,
@@ -89,10 +98,15 @@ def _label(kind: str, wrt: str | None) -> str:
 
 
 def _takes_out(fn) -> bool:
+    return isinstance(fn, CFunction) or _takes_keyword(fn, "out")  # C kernels always do
+
+
+def _takes_keyword(fn, name: str) -> bool:
+    """Whether `fn` has the keyword-only parameter `name` (C kernels have none)."""
     if isinstance(fn, CFunction):
-        return True  # C kernels always write into their outputs
+        return False
     try:
-        parameter = inspect.signature(fn).parameters.get("out")
+        parameter = inspect.signature(fn).parameters.get(name)
     except (TypeError, ValueError):
         return False
     return parameter is not None and parameter.kind is inspect.Parameter.KEYWORD_ONLY
@@ -144,6 +158,13 @@ the distance's tangent). Pytree inputs and outputs get pytree tangents, with
 ``None`` at integer leaves. With ``traceable=True`` the rule receives and
 returns JAX values and is differentiated again by JAX (higher order).
 
+With ``zeros=True`` a tangent that is symbolically zero (an input not
+differentiated: ``jax.grad(f, argnums=0)``, ``jax.jvp`` with a zero tangent
+of a constant) arrives as ``None``, never as an array of zeros, and the rule
+may return ``None`` for an output tangent that is zero. Each set of present
+tangents is an equation of its own, so XLA never computes the tangent of an
+input nobody differentiates.
+
 Example:
     >>> import jax, jaxdecl as jd
     >>> class Sin(jd.Primitive):
@@ -158,7 +179,19 @@ Example:
     ...         return jax.numpy.cos(x) * dx
     >>> round(float(jax.grad(Sin())(0.0)), 6)
     1.0
-""", traceable_ok=True)
+    >>> class Mul(jd.Primitive):
+    ...     @jd.abstract
+    ...     def shapes(self, x1, x2):
+    ...         return jax.ShapeDtypeStruct(x1.shape, x1.dtype)
+    ...     @jd.forward
+    ...     def apply(self, x1, x2):
+    ...         return x1 * x2
+    ...     @jd.jvp(zeros=True)
+    ...     def push(self, x1, x2, dx1, dx2):  # None: a symbolically zero tangent
+    ...         return (0 if dx1 is None else x2 * dx1) + (0 if dx2 is None else x1 * dx2)
+    >>> float(jax.jvp(lambda a: Mul()(a, 3.0), (2.0,), (1.0,))[1])
+    3.0
+""", traceable_ok=True, zeros_ok=True)
 
 vjp = _make_decorator("vjp", """Marks the reverse-mode rule ``(self, *inputs, *cotangents)``.
 
@@ -167,6 +200,11 @@ Returns the input cotangent(s).
 One cotangent arrives per floating/complex output; one is returned per
 differentiable input (a tuple if several), where ``None`` stands for zero (a
 whole cotangent or a subtree of a pytree one). Returns Jᵀ·ct, not conjugated.
+
+A rule that takes the keyword-only ``wanted`` receives one bool per
+differentiable input, True where that input's cotangent is asked for
+(``jax.grad(f, argnums=0)`` asks for the first alone), and may return
+``None`` where it is False: XLA then neither computes nor stores it.
 
 Example:
     >>> import jax, numpy as np, jaxdecl as jd
@@ -182,12 +220,31 @@ Example:
     ...         return 3 * x**2 * ct
     >>> float(jax.grad(Cube())(2.0))
     12.0
+    >>> class Mul(jd.Primitive):
+    ...     @jd.abstract
+    ...     def shapes(self, x1, x2):
+    ...         return jax.ShapeDtypeStruct(x1.shape, x1.dtype)
+    ...     @jd.forward
+    ...     def apply(self, x1, x2):
+    ...         return x1 * x2
+    ...     @jd.vjp
+    ...     def pull(self, x1, x2, ct, *, wanted):  # wanted: (True, False) under argnums=0
+    ...         return (x2 * ct if wanted[0] else None), (x1 * ct if wanted[1] else None)
+    >>> float(jax.grad(Mul(), argnums=0)(2.0, 3.0))
+    3.0
 """, traceable_ok=True)
 
 transpose = _make_decorator("transpose", """Marks the transpose of a linear or multilinear op.
 
-Linear op: ``(self, *nondiff_inputs, *cotangents) -> cotangent(s) of the linear inputs``.
+Linear op: ``(self, *other_inputs, *cotangents) -> cotangent(s) of the linear inputs``,
+where the other inputs are every input the op is not linear in, in input order:
+the ``nondiff=`` and integer ones, and for a partly linear op
+(``linear=("strengths",)``) also the differentiable ones it is not linear in.
 Multilinear op: ``@jd.transpose(wrt="x")`` with ``(self, *inputs_but_x, ct) -> ct_x``.
+
+A linear op's transpose that takes the keyword-only ``wanted`` receives one
+bool per linear input, True where its cotangent is asked for, and may return
+``None`` where it is False.
 
 Example:
     >>> import jax, numpy as np, jaxdecl as jd
@@ -335,7 +392,8 @@ def collect_rules(cls) -> list[Rule]:
             elif attr in seen:
                 if callable(value):
                     seen[attr] = dataclasses.replace(
-                        seen[attr], name=attr, function=value, zero_copy=_takes_out(value))
+                        seen[attr], name=attr, function=value, zero_copy=_takes_out(value),
+                        wanted=_takes_keyword(value, "wanted"))
                 else:
                     del seen[attr]
     return list(seen.values())

@@ -40,7 +40,7 @@ from .._version import __version__ as VERSION
 #: change of the kernel ABI (``_op._KERNEL_ABI``): a recipe rebuilds the kernel of
 #: a program compiled against the ABI of its own time, so a recipe of another ABI
 #: must be refused, not rebuilt.
-FORMAT = 1
+FORMAT = 2
 #: Outside ``jax.export``, a configuration that saves to more text than this is
 #: left out of compiled programs (it would weigh on every compilation); its
 #: programs then run only in this process. Exported programs always carry it.
@@ -96,6 +96,7 @@ def recipe(eqn, in_shapes: tuple, *, required: bool) -> str:
         "format": FORMAT, "jaxdecl": VERSION, "class": path, "state": "@STATE@",
         # ("primals": the format's name for the signature, kept: format 1 reads it)
         "rule": eqn.rule, "wrt": eqn.wrt, "primals": signature, "batch": list(eqn.batch),
+        "active": None if eqn.active is None else list(eqn.active),
         "in_shapes": [list(s) for s in in_shapes]}, separators=(",", ":")
     ).replace('"@STATE@"', text)
 
@@ -171,8 +172,10 @@ def resolve(data: bytes) -> tuple:
         except TypeError:  # cannot be weakly referenced: not shared
             pass
     op = BoundOp(handle_of(instance), instance)
+    active = fields["active"]
     eqn = Equation(op, fields["rule"], _signature_of(fields["primals"]),
-                   tuple(fields["batch"]), fields["wrt"])
+                   tuple(fields["batch"]), fields["wrt"],
+                   None if active is None else tuple(active))
     kernel, _ = eqn.kernel(tuple(tuple(s) for s in fields["in_shapes"]))
     return kernel.slot, instance
 
