@@ -193,7 +193,14 @@ def _tangents(eqn, inline, active, operands, dxs, extras):
     operands = list(operands) + list(dxs) + list(extras)
     if inline is not None:  # JAX differentiates and transposes the traceable rule itself
         return broadcast_vmapped(inline, eqn.batch)(*operands)
-    return bind(eqn.with_rule(JVP, active=active), operands)
+    results = bind(eqn.with_rule(JVP, active=active), operands)
+    rule = eqn.spec.rules.get(JVP)
+    if rule is not None and rule.traceable and rule.zeros:
+        # Bound for its @vjp's sake: the tangents the rule returns as None stay symbolic.
+        symbolic = broadcast_vmapped(eqn.traceable(JVP, active, symbolic=True), eqn.batch)
+        shapes = jax.eval_shape(symbolic, *operands)
+        results = [None if shape is None else r for r, shape in zip(results, shapes)]
+    return results
 
 
 def _refuse_residual_tangents(op, interface) -> None:
