@@ -573,6 +573,8 @@ BAD = {
                      ["'x1' is in both linear= and nondiff=", "remove it from nondiff="]),
     "not_names": (_body(), {"linear": 5}, ["linear=5 is not True or a tuple of input names"]),
     "empty": (_body(), {"linear": ()}, ["linear=() is not True or a tuple of input names"]),
+    "named_twice": (_body(t=(T, "def t(self, ct): return ct, ct")), {"linear": ("x1", "x1")},
+                    ["Bad: linear=('x1', 'x1') names an input twice"]),
     "multilinear_too": (_body(), {"linear": ("x1",), "multilinear": True},
                         ["choose one of linear=True and multilinear=True (linear=('x1',)"]),
     "no_transpose": (_body(), {"linear": ("x1",)},
@@ -659,3 +661,90 @@ def test_transpose_arity_is_checked_at_the_first_trace():
             "passes the inputs it is not linear in (x), then one cotangent per floating or "
             "complex output (2 here): `def apply_t(self, x, ct0, ct1)`")):
         jax.grad(lambda c: sum(jnp.sum(o) for o in TwoOut()(x, c)))(x)
+
+
+class Mixed(jd.Primitive, linear=("p",)):
+    """Linear in a dict input that holds an integer leaf: refused when first traced."""
+
+    @jd.abstract
+    def shapes(self, x, p):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x, p):
+        return p["w"] * np.sin(x) * p["n"]
+
+    @jd.transpose
+    def apply_t(self, x, ct):
+        return {"w": ct, "n": None}
+
+
+def test_a_linear_input_with_integer_leaves_is_refused_naming_it():
+    x = np.linspace(0, 1, 3)
+    p = {"w": np.ones(3), "n": np.arange(3)}
+    with pytest.raises(jd.RuleError, match=re.escape(
+            "Mixed is linear in 'p', but that input mixes differentiable and integer (or "
+            "nondiff) leaves; pass the integer leaves as a separate nondiff= input")):
+        jax.grad(lambda w: jnp.sum(Mixed()(x, {"w": w, "n": p["n"]})))(p["w"])
+
+
+def test_transposing_in_a_nondiff_input_or_a_derivative_names_it():
+    x, c = _inputs(("float64", "complex128"))
+    w = np.linspace(0.5, 1.5, 4)
+    s = {"a": np.ones(4), "b": np.ones(4)}
+    with pytest.raises(jd.MissingRuleError, match=re.escape(
+            "Waves cannot be transposed with respect to 'w': it is declared nondiff=, which "
+            "has no cotangent")):
+        jax.linear_transpose(lambda v: Waves()(w + 1, s, v), w)(np.ones(4))
+    op = Nudft()
+    with pytest.raises(jd.MissingRuleError, match=re.escape(
+            "Nudft: JAX asked to transpose its jvp equation with respect to x, which it is "
+            "not linear in")):
+        jax.linear_transpose(lambda v: jax.jvp(lambda u: op(u, c), (v,), (x,))[1], x)(
+            np.ones(7, complex))
+
+
+class SolveTraceable(jd.Primitive, linear=("b",)):
+    """A⁻¹ b whose traceable @jvp reads what the forward kept: no second derivative in A
+    through the transpose."""
+
+    @jd.abstract
+    def shapes(self, a, b):
+        return jax.ShapeDtypeStruct(b.shape, b.dtype)
+
+    @jd.residuals
+    def keeps(self, a, b):
+        return {"inv": jax.ShapeDtypeStruct(a.shape, a.dtype)}
+
+    @jd.forward
+    def apply(self, a, b, *, saved=None):
+        inv = np.linalg.inv(a)
+        if saved is not None:
+            saved["inv"][...] = inv
+        return inv @ b
+
+    @jd.transpose
+    def apply_t(self, a, ct):
+        return np.linalg.solve(a.T, ct)
+
+    @jd.jvp(traceable=True, zeros=True)
+    def push(self, a, b, da, db, *, saved, result):
+        out = 0
+        if da is not None:
+            out = out - saved["inv"] @ (da @ result)
+        if db is not None:
+            out = out + saved["inv"] @ db
+        return out
+
+
+def test_a_second_derivative_through_the_transpose_refuses_saved():
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((3, 3)) + 3 * np.eye(3), rng.standard_normal(3)
+    op = SolveTraceable()
+    g = jax.grad(lambda a, b: jnp.sum(jnp.sin(op(a, b))), 1)
+    _close(jax.jit(g)(a, b), jax.grad(lambda a, b: jnp.sum(jnp.sin(jnp.linalg.solve(a, b))),
+                                      1)(a, b), "float64")
+    with pytest.raises(jd.MissingRuleError, match=re.escape(
+            "SolveTraceable.push reads `saved`, which an opaque forward kept: declare it "
+            "`@jd.jvp(traceable=True)`")):
+        jax.jacfwd(g)(a, b)
