@@ -293,11 +293,15 @@ VMAPPED = {
 }
 
 
+class NudftLoop(Nudft, batch="loop"):
+    """Nudft under vmap: the rules once per batch element, inside one call."""
+
+
 @pytest.mark.parametrize("in_axes", [(0, 0), (None, 0), (0, None), (1, 0)],
                          ids=["both", "c", "x", "moved"])
-@pytest.mark.parametrize("kind", ["numpy", "traceable_jvp"])
+@pytest.mark.parametrize("kind", ["numpy", "numpy_loop", "traceable_jvp"])
 def test_vmap_of_derivatives(kind, in_axes):
-    op = OPS[kind]()
+    op = NudftLoop() if kind == "numpy_loop" else OPS[kind]()
     x, c = _inputs(("float64", "complex128"), (3,))
     x = x.T.copy() if in_axes[0] == 1 else x
     args = tuple(a if axis is not None else a[0] for a, axis in zip((x, c), in_axes))
