@@ -6,6 +6,7 @@ import jax
 import numpy as np
 
 from ._call import flatten_inputs
+from ._check_partial import check_linear_part, check_parts
 from ._errors import RuleError
 from ._host import structure as _structure
 from ._host.keyword_rules import settle
@@ -50,6 +51,14 @@ def check(op, *args, rtol: float | None = None, seed: int = 0) -> None:
     against central finite differences; ``@vjp``/``@transpose`` against the
     tangent map by the dot-product test ⟨ct, J t⟩ = ⟨Jᵀ ct, t⟩ (pairing
     Re Σ a·b); and ``vmap`` against a loop.
+
+    A partly linear op (``linear=("c",)``) also has its forward checked for
+    linearity in its linear inputs at fixed others, and its ``@transpose`` (or
+    ``@adjoint``) against that forward by the dot-product test; an op whose
+    rules see part of the inputs (a partly linear op, ``@jvp(zeros=True)``, a
+    ``@vjp`` or ``@transpose`` that takes ``wanted``) has its derivatives in
+    each input alone checked, in both modes (the others' tangents zero, the
+    one cotangent asked for).
 
     An op with ``@jd.residuals`` also has its forward checked for writing
     every element of every residual, and for returning the same outputs with
@@ -104,7 +113,9 @@ def check(op, *args, rtol: float | None = None, seed: int = 0) -> None:
     eager = _check_forward(spec, op, leaves, tree, interface, call)
     _check_jit(spec, leaves, eager, dot_rtol, call)
     if any(interface.diff) and any(interface.float_out):
+        check_linear_part(spec, leaves, interface, rng, dot_rtol, call)
         _check_derivatives(spec, leaves, interface, rng, dot_rtol, fd_rtol, call)
+        check_parts(spec, leaves, interface, rng, dot_rtol, fd_rtol, call)
     _check_vmap(spec, leaves, dot_rtol, call)
     resolved = handle_of(op).sharding(signature, op)
     if resolved is not None:
@@ -213,8 +224,10 @@ def _check_derivatives(spec, args, interface, rng, dot_rtol, fd_rtol, call):
     x = tuple(args[i] for i in diff)
     t = tuple(_random_like(rng, interface.inputs[i]) for i in diff)
     ct = tuple(_random_like(rng, interface.outputs[j]) for j in floats)
-    has_forward_mode = spec.linear or spec.multilinear or "jvp" in spec.rules
-    has_reverse_mode = spec.linear or spec.multilinear or "vjp" in spec.rules or (
+    # (a partly linear op's derivative in all its inputs is its @jvp's and @vjp's)
+    linear = bool(spec.linear) and not spec.partly_linear
+    has_forward_mode = linear or spec.multilinear or "jvp" in spec.rules
+    has_reverse_mode = linear or spec.multilinear or "vjp" in spec.rules or (
         "jvp" in spec.rules and spec.rules["jvp"].traceable)
 
     # Finite differences in float64/complex128 where the inputs allow.
@@ -248,7 +261,7 @@ def _check_derivatives(spec, args, interface, rng, dot_rtol, fd_rtol, call):
         scale = sum(abs(_dot(np.abs(c), np.abs(ti))) for c, ti in zip(cts_in, t)) + abs(reference)
         tolerance = dot_rtol if has_forward_mode else fd_rtol
         if not _close(transposed, reference, tolerance, scale):
-            if spec.linear:
+            if linear:
                 rule = spec.describe("transpose" if "transpose" in spec.rules else "adjoint")
                 kind = "@transpose" if "transpose" in spec.rules else "@adjoint"
             elif spec.multilinear:

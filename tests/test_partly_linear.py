@@ -21,7 +21,7 @@ import pytest
 from conftest import tol
 from jax.test_util import check_grads
 from ops import random_array
-from ops_linear import Nudft, NudftPull, NudftTraceable, nudft_ref
+from ops_linear import MODES, Nudft, NudftPull, NudftTraceable, nudft_ref
 
 import jaxdecl as jd
 
@@ -752,3 +752,58 @@ def test_a_second_derivative_through_the_transpose_refuses_saved():
             "SolveTraceable.push reads `saved`, which an opaque forward kept: declare it "
             "`@jd.jvp(traceable=True)`")):
         jax.jacfwd(g)(a, b)
+
+
+# ---------------------------------------------------------------------------
+# jd.check: linearity and the transpose in the linear inputs, each input alone
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("op_class", [Nudft, NudftTraceable, NudftPull, NudftLoop])
+def test_check_passes_partly_linear_ops(op_class):
+    jd.check(op_class(), *_inputs(("float64", "complex128")))
+
+
+def test_check_passes_pytrees_and_residuals():
+    rng = np.random.default_rng(4)
+    jd.check(Waves(), rng.uniform(0, 3, 4), {"a": rng.standard_normal(4),
+                                              "b": rng.standard_normal(4)},
+             rng.uniform(0.5, 2, 4))
+    jd.check(Solve(), rng.standard_normal((3, 3)) + 3 * np.eye(3), rng.standard_normal(3))
+
+
+class NotLinear(Nudft):
+    def apply(self, x, c):  # c * |c|: not linear in c
+        return super().apply(x, c * np.abs(c))
+
+
+class Conjugated(Nudft):
+    def apply_t(self, x, ct):  # the adjoint, where the transpose is due
+        return np.conj(super().apply_t(x, np.conj(ct)))
+
+
+class ForgetsPoints(Nudft):
+    @jd.jvp(zeros=True)
+    def push(self, x, c, dx, dc):  # drops the points' tangent when dc is None
+        return super().push(x, c, None if dc is None else dx, dc) if dc is not None else \
+            np.zeros(MODES.shape, np.result_type(c.dtype, np.complex64))
+
+
+class WrongAlone(Nudft):
+    def pull(self, x, c, ct, *, wanted):  # the points' cotangent is wrong when asked alone
+        dx, dc = super().pull(x, c, ct, wanted=(True, True))
+        return (2 * dx if not wanted[1] else dx), (dc if wanted[1] else None)
+
+
+@pytest.mark.parametrize("op_class, message", [
+    (NotLinear, "jd.check: NotLinear.apply (@forward) is not linear in 'c' (linear=('c',)) at "
+                "fixed other inputs"),
+    (Conjugated, "jd.check: Conjugated.apply_t (@transpose) fails the dot-product test against "
+                 "Conjugated.apply (@forward) in its linear inputs at fixed other inputs"),
+    (ForgetsPoints, "jd.check: ForgetsPoints.push (@jvp) disagrees with finite differences for "
+                    "output when only 'x' has a tangent"),
+    (WrongAlone, "jd.check: WrongAlone.pull (@vjp) fails the dot-product test when asked for "
+                 "the cotangent of 'x' alone"),
+])
+def test_check_names_the_wrong_rule_of_a_partly_linear_op(op_class, message):
+    with pytest.raises(AssertionError, match=re.escape(message)):
+        jd.check(op_class(), *_inputs(("float64", "complex128")))

@@ -251,3 +251,35 @@ def test_traceable_rules_with_zeros_at_every_order(op_class):
     else:
         _close(jax.hessian(_sum(op), (0, 1))(a, b), jax.hessian(_sum(mul_ref), (0, 1))(a, b),
                "float64")
+
+
+# ---------------------------------------------------------------------------
+# jd.check runs each input alone through such rules
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("op_class", [MulZ, SplitZ, SplitZTraceable, PullOnly, PushZTraceable])
+def test_check_passes(op_class):
+    jd.check(op_class(), *_args("float64"))
+
+
+class DropsX1(MulZ):
+    @jd.jvp(zeros=True)
+    def push(self, x1, x2, dx1, dx2):  # forgets x1's tangent when x2's is zero
+        return np.zeros_like(x1) if dx2 is None else super().push(x1, x2, dx1, dx2)
+
+
+class WrongWhenAlone(MulZ):
+    def pull(self, x1, x2, ct, *, wanted):  # x2's cotangent, asked alone, is off by a sign
+        return (x2**2 * ct if wanted[0] else None), \
+            ((2 if wanted[0] else -2) * x1 * x2 * ct if wanted[1] else None)
+
+
+@pytest.mark.parametrize("op_class, message", [
+    (DropsX1, "jd.check: DropsX1.push (@jvp) disagrees with finite differences for output when "
+              "only 'x1' has a tangent (the others are zero)"),
+    (WrongWhenAlone, "jd.check: WrongWhenAlone.pull (@vjp) fails the dot-product test when "
+                     "asked for the cotangent of 'x2' alone"),
+])
+def test_check_names_a_rule_wrong_with_part_of_the_inputs(op_class, message):
+    with pytest.raises(AssertionError, match=re.escape(message)):
+        jd.check(op_class(), *_args("float64"))
