@@ -145,6 +145,21 @@ def test_check_grads_second_order(kind, dtypes):
     check_grads(op, (x, c), 2, modes=modes, eps=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtypes", DTYPES, ids=DTYPE_IDS)
+def test_every_order_in_the_linear_inputs_with_numpy_rules(dtypes):
+    """In the strengths alone the derivatives are the forward and the transpose: every
+    order, with NumPy rules, and no @jvp or @vjp runs."""
+    op = Nudft()
+    x, c = _inputs(dtypes)
+    eps, rtol = (1e-3, 5e-2) if dtypes[0] == "float32" else (1e-6, 1e-5)
+    check_grads(lambda c: op(x, c), (c,), 3, modes=("fwd", "rev"), eps=eps, rtol=rtol)
+    calls, h = _counted(Nudft, jax.jit(jax.hessian(lambda c: jnp.sum(jnp.abs(op(x, c)) ** 2))),
+                        c.real)
+    _close(h, jax.hessian(lambda c: jnp.sum(jnp.abs(nudft_ref(x, c)) ** 2))(c.real), "float64"
+           if dtypes[0] == "float64" else "float32")
+    assert set(calls) <= {"forward", "transpose"}, calls
+
+
 @pytest.mark.parametrize("kind", ["traceable_jvp", "traceable_vjp"])
 def test_hessians_mixing_linear_and_other_inputs(kind):
     """Second derivatives in x, in c and mixed (which differentiate the transpose in x)."""

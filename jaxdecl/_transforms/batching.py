@@ -8,8 +8,12 @@ calls the NumPy rule once per element inside one XLA call (``batch="loop"``)
 or hands it the whole batch (``batch="vectorized"``). Derived rules (jvp, vjp,
 transpose) batch the same way, so users write no batching code for them.
 
-A user ``@batch`` rule handles the forward; a linear op's ``transpose`` is then
-batched as the transpose of that batched forward, so one rule serves both. The
+A user ``@batch`` rule handles the forward; a linear op's ``transpose`` (a
+partly linear op's too, its other inputs batched or not as ``vmap`` gives them)
+is then batched as the transpose of that batched forward, so one rule serves
+both. A derivative equation keeps its active leaves under ``vmap``: a zero
+tangent or an unwanted cotangent is no more an operand or a result batched
+than unbatched. The
 rule sees every mix of batched and unbatched inputs ``vmap`` can make; by
 returning ``NotImplemented`` it declines one, which then batches as without it
 (the class's ``batch=`` mode).
