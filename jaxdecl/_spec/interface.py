@@ -12,6 +12,9 @@ leaves (:class:`Group`). :func:`interface_of` makes one by asking
 "Differentiable" means floating or complex and not in an input listed in
 ``nondiff=``; "float" outputs are the floating or complex ones. "Residuals"
 are the leaves of what ``@jd.residuals`` declares (see :mod:`jaxdecl._spec.residuals`).
+"Linear" leaves are the differentiable leaves of the inputs ``linear=`` names
+(every differentiable leaf for ``linear=True``); the others are a linear op's
+"lead" leaves, which its transpose takes before the cotangents.
 
 The user's rule sees *arguments*, not leaves: a :class:`Group` says how one
 argument is rebuilt from flat operands (and one result flattened back). The

@@ -14,8 +14,8 @@ and refuses, when the class is created, every declaration that cannot hold
 derivative is :mod:`jaxdecl._transforms.autodiff`'s.
 
 Example:
-    >>> from jaxdecl._spec.linearity import linear_names
-    >>> linear_names("Nufft", "strengths", ("points", "strengths"), frozenset())
+    >>> from jaxdecl._spec.linearity import linear_names, read
+    >>> linear_names("Nufft", read("Nufft", "strengths"), ("points", "strengths"), frozenset())
     ('strengths',)
     >>> linear_names("Fft", True, ("x", "axes"), frozenset({"axes"}))
     ('x',)
