@@ -52,6 +52,8 @@ def functions(ops):
         # vmap over a batch of x: the batch dim is the ops' own leading dim
         "vmap": lambda x, m: jax.vmap(lambda row: ops.Weighted(ops.W)(row))(
             jnp.stack([x, 2 * x])),
+        # equations that carry some tangents or return some cotangents (their active leaves)
+        "derivatives": ops.derivatives,
     }
 
 
@@ -76,7 +78,8 @@ def reference(name, x, m):
     import ops_saved
 
     twin = {"forward": ops_saved.twin, "grad": jax.grad(ops_saved.twin, argnums=(0, 1)),
-            "vmap": lambda x, m: jnp.asarray(ops_saved.W) * jnp.stack([x, 2 * x]) ** 2}[name]
+            "vmap": lambda x, m: jnp.asarray(ops_saved.W) * jnp.stack([x, 2 * x]) ** 2,
+            "derivatives": ops_saved.derivatives_twin}[name]
     return twin(x, m)
 
 
@@ -91,7 +94,7 @@ def load():
 
     checks = {"kernels_before": _dispatch.kernel_count()}
     args, _ = inputs()
-    for name in ("forward", "grad", "vmap"):
+    for name in ("forward", "grad", "vmap", "derivatives"):
         with open(os.path.join(DIR, f"{name}.exported"), "rb") as file:
             exported = jax.export.deserialize(bytearray(file.read()))
         got = exported.call(*args)

@@ -2,8 +2,9 @@
 
 Each round trip saves in one fresh process and loads in another that imports
 only jaxdecl and the ops' module (tests/ops_saved.py): forward, grad (vjp,
-transpose and residual rules), vmap, on 1 device and sharded over 4
-(elementwise, replicate= and reduce= ops), compared with jax.numpy.
+transpose and residual rules), vmap, a partly linear op's derivatives (equations
+that carry some tangents or return some cotangents), on 1 device and sharded
+over 4 (elementwise, replicate= and reduce= ops), compared with jax.numpy.
 """
 
 import os
@@ -45,7 +46,7 @@ def test_saved_programs_run_in_a_fresh_process(tmp_path, devices):
     assert _helper("save", tmp_path, devices) == {"saved": True}
     checks = _helper("load", tmp_path, devices)
     assert checks.pop("kernels_before") == 0  # nothing but the artifacts to go by
-    for name in ("forward", "grad", "vmap"):
+    for name in ("forward", "grad", "vmap", "derivatives"):
         assert checks[f"exported_{name}"] is True, name
         assert checks[f"executable_{name}"] is True, name
         assert checks[f"exported_{name}_devices"] == [int(str(devices)[0])], name

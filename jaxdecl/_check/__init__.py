@@ -14,12 +14,13 @@ import numpy as np
 from .._call import flatten_inputs
 from .._op.identity import spec_of
 from .._spec import interface as _interface
-from . import derivatives, forward, sharding, transforms
+from . import derivatives, forward, linear_part, sharding, transforms
 from .case import Case
 from .tolerances import tolerances_for
 
 #: The checks after the forward and jit ones, in order.
-CHECKS = (derivatives.check_derivatives, transforms.check_vmap, sharding.check_sharding)
+CHECKS = (linear_part.check_linear_part, derivatives.check_derivatives,
+          transforms.check_vmap, sharding.check_sharding)
 
 
 def check(op, *args, rtol: float | None = None, seed: int = 0) -> None:
@@ -39,6 +40,13 @@ def check(op, *args, rtol: float | None = None, seed: int = 0) -> None:
       differences too, by ⟨Jᵀ ct, t⟩ against ⟨ct, fd⟩ (pairing Re Σ a·b, no
       conjugation), so rules that are wrong together are caught; then against
       the tangent map by the dot-product test ⟨ct, J t⟩ = ⟨Jᵀ ct, t⟩;
+    - a partly linear op (``linear=("c",)``): its forward is linear in the
+      linear inputs at the example's other inputs, and ``@transpose`` (or
+      ``@adjoint``) is its transpose there by the dot-product test; an op
+      whose rules see part of the inputs (a partly linear op,
+      ``@jvp(zeros=True)``, a ``@vjp`` or ``@transpose`` taking ``wanted``)
+      has its derivative rules checked in each input alone too, the others'
+      tangents symbolic zeros and only that cotangent asked for;
     - a sharding declaration (``sharding=`` or ``@jd.sharding``): the op on two
       slices along each factor its rules may split, joined (or summed, for
       ``reduce=``), against the whole op; the residuals likewise.

@@ -32,12 +32,43 @@ _WEAK = 10
 
 
 def check_derivatives(case) -> None:
-    """Checks the op's derivative rules at the example inputs (see the module's text)."""
+    """Checks the op's derivative rules at the example inputs (see the module's text).
+
+    An op whose rules see part of its inputs (a partly linear op, ``@jvp(zeros=True)``, a
+    ``@vjp`` or ``@transpose`` taking ``wanted``) is then checked in each input alone as
+    well: the other inputs constants, so their tangents are symbolic zeros and only that
+    input's cotangent is asked for, as under ``jax.grad(f, argnums=k)``.
+    """
     interface = case.interface
-    forward, reverse = _rules(case.spec)
-    if not (any(interface.diff) and any(interface.float_out)) or not (forward or reverse):
+    if not (any(interface.diff) and any(interface.float_out)):
         return
-    maps = _Maps(case, reverse is not None)
+    _check_along(case, interface.diff_indices)
+    if _sees_parts(case.spec):
+        groups = [[i for i in g.positions if interface.diff[i]] for g in interface.in_groups]
+        groups = [g for g in groups if g]
+        for positions in groups if len(groups) > 1 else ():
+            _check_along(case, tuple(positions))
+
+
+def _sees_parts(spec) -> bool:
+    """The op's rules run differently when only some inputs carry a derivative."""
+    jvp, vjp = spec.rules.get("jvp"), spec.rules.get("vjp")
+    transpose = spec.rules.get("transpose") or spec.rules.get("adjoint")
+    return spec.partly_linear or any(
+        rule is not None and flag for rule, flag in (
+            (jvp, jvp is not None and jvp.zeros), (vjp, vjp is not None and vjp.wanted),
+            (transpose, transpose is not None and transpose.wanted)))
+
+
+def _check_along(case, positions) -> None:
+    """The three tests of the module's text, in the differentiable leaves at `positions`
+    (the others fixed at the example's values)."""
+    interface = case.interface
+    linear = bool(case.spec.linear) and all(interface.linear[i] for i in positions)
+    forward, reverse = _rules(case.spec, linear)
+    if not (forward or reverse):
+        return
+    maps = _Maps(case, reverse is not None, positions)
     fd = maps.joint = maps.along(maps.direction)
     maps.require_finite(fd)
     failures, jt = [], maps.jvp(fd.tangent) if forward else None
@@ -48,6 +79,12 @@ def check_derivatives(case) -> None:
     if not failures and forward and reverse and _dot_failures(case, maps, fd, jt):
         failures = maps.located(_dot_failures, reverse, differences=False)
     if failures:
+        if positions != interface.diff_indices:  # in one input alone: the rules saw part
+            names = sorted({case.spec.params[interface.leaf_param[i]] for i in positions})
+            failures.append(
+                f"(differentiating in {', '.join(map(repr, names))} alone: the other inputs' "
+                f"tangents are symbolic zeros and only its cotangent is wanted; the rules "
+                f"agree with finite differences in all inputs at once)")
         raise AssertionError("\n".join(failures))
     if maps.weakest > _WEAK * case.tolerances.derivative or maps.unresolved:
         skipped = f", and not at all for {', '.join(sorted(maps.unresolved))}" \
@@ -57,18 +94,21 @@ def check_derivatives(case) -> None:
             f"to {maps.weakest:.0%} at these inputs (rounding noise, or curvature within a "
             f"relative step of {fd.step:.2g}), so its derivative rules are checked that "
             f"loosely there{skipped}; give jd.check example inputs at which the outputs "
-            f"change smoothly and clearly with the inputs", UserWarning, stacklevel=3)
+            f"change smoothly and clearly with the inputs", UserWarning, stacklevel=4)
 
 
-def _rules(spec) -> tuple:
-    """``(rule, kind)`` of the tangent map and of the cotangent map (None without one)."""
+def _rules(spec, linear: bool) -> tuple:
+    """``(rule, kind)`` of the tangent map and of the cotangent map (None without one).
+
+    `linear`: every input differentiated is one the op is linear in (all of a linear
+    op's; a partly linear op's named ones), so the forward and its transpose serve."""
     forward = reverse = None
-    if spec.linear or spec.multilinear:
-        forward = (spec.describe("forward"), "@forward of a linear op" if spec.linear
+    if linear or spec.multilinear:
+        forward = (spec.describe("forward"), "@forward of a linear op" if linear
                    else "@forward of a multilinear op")
     elif "jvp" in spec.rules:
         forward = (spec.describe("jvp"), "@jvp")
-    if spec.linear:
+    if linear:
         kind = "transpose" if "transpose" in spec.rules else "adjoint"
         reverse = (spec.describe(kind), f"@{kind}")
     elif spec.multilinear:
@@ -81,13 +121,14 @@ def _rules(spec) -> tuple:
 
 
 class _Maps:
-    """The op as a function of its differentiable leaves, its tangent and cotangent maps,
-    and finite differences along a direction (all inputs at once, or one alone)."""
+    """The op as a function of some of its differentiable leaves (`positions`; the others
+    fixed), its tangent and cotangent maps, and finite differences along a direction (all
+    those leaves at once, or one alone)."""
 
-    def __init__(self, case, reverse: bool):
+    def __init__(self, case, reverse: bool, positions: tuple):
         self.case = case
         interface = case.interface
-        self.diff, self.floats = interface.diff_indices, interface.float_out_indices
+        self.diff, self.floats = positions, interface.float_out_indices
         self.x = [case.leaves[i] for i in self.diff]
         self.in_names = [interface.input_names[i] for i in self.diff]
         self.out_names = [interface.output_names[j] for j in self.floats]

@@ -112,9 +112,9 @@ class OpHandle:
         """
         io = self._rule_ios.get(key)
         if io is None:
-            rule, wrt, signature, _ = key
+            rule, wrt, signature, _, active = key
             interface = self.interface(signature, instance)
-            io = _rule_io.rule_io(self.spec, interface, rule, wrt)
+            io = _rule_io.rule_io(self.spec, interface, rule, wrt, active)
             self._rule_ios[key] = io
         return io
 
@@ -172,13 +172,16 @@ class OpHandle:
 
     def kernel_fingerprint(self, key: tuple, in_shapes: tuple) -> tuple:
         """What compiled HLO names the kernel of equation `key` at `in_shapes` by."""
-        rule, wrt, signature, batch = key
+        rule, wrt, signature, batch, active = key
+        # (an equation of every derivative leaf names its kernel as before `active` existed)
+        extra = () if active is None else (repr(active),)
         return _fingerprint.digest(_KERNEL_ABI, self.fingerprint, rule, str(wrt),
-                                   repr(signature), repr(batch), repr(in_shapes))
+                                   repr(signature), repr(batch), repr(in_shapes), *extra)
 
-    def traceable(self, key: tuple, instance):
+    def traceable(self, key: tuple, instance, symbolic: bool = False):
         """The traceable (JAX-valued) form of equation `key`'s jvp/vjp rule as
-        ``f(*operands) -> list``, or None (a host rule)."""
+        ``f(*operands) -> list``, or None (a host rule). With `symbolic`, a result the
+        rule returned as None stays None (else it is zeros)."""
         rule = key[0]
         found = self.spec.rules.get(rule)
         if found is None or not found.traceable:
@@ -186,8 +189,8 @@ class OpHandle:
         io = self.rule_io(key, instance)
         context = f"{self.spec.name}.{found.name} (@{found.kind})"
         if io.keywords or io.n_extra:
-            return _keyword_rules.traceable_rule(found.bind(instance), io, context)
-        return _structure.traceable_rule(found.bind(instance), io, context)
+            return _keyword_rules.traceable_rule(found.bind(instance), io, context, symbolic)
+        return _structure.traceable_rule(found.bind(instance), io, context, symbolic)
 
     def device_rule(self, rule: str, wrt: int = -1):
         """The device rule (``platform="gpu"``) behind `rule`, or None (the host rule runs
@@ -201,7 +204,7 @@ class OpHandle:
 
     def _build_kernel(self, key: tuple, in_shapes: tuple, instance):
         spec = self.spec
-        rule, wrt, signature, batch = key
+        rule, wrt, signature, batch, _ = key
         user = self.user_rule(rule, wrt)
         name = f"{spec.name}.{user.name} (@{user.kind})"
         fingerprint = self.kernel_fingerprint(key, in_shapes)

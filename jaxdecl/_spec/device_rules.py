@@ -113,17 +113,18 @@ def _check_signature(name: str, rule, host) -> None:
                 f"(an int), and enqueue its work there: `def {rule.name}(self, ...,"
                 f" *{out}, stream)`")
         unknown = [k for k in found.required_keywords
-                   if k not in ("out", "stream") + _KEYWORDS]
+                   if k not in ("out", "stream", "wanted") + _KEYWORDS]
         if unknown:
             raise DeclarationError(
                 f"{where}: keyword-only parameter(s) {unknown} have no default, but jaxdecl "
-                f"passes only `out`, `stream`, `saved` and `result` by keyword")
+                f"passes only `out`, `stream`, `saved`, `result` and `wanted` by keyword")
         if host_found is not None and not (found.varargs or host_found.varargs) and \
                 len(found.positional) != len(host_found.positional):
             raise DeclarationError(
                 f"{where} takes ({', '.join(found.positional)}), but its host rule "
                 f"{name}.{host.name} takes ({', '.join(host_found.positional)}): a device rule "
                 f"takes the same arguments as its host rule, plus `stream`")
+    _check_partial_inputs(name, rule, host)
     mine, theirs = _keywords_of(rule, found), _keywords_of(host, host_found)
     if mine != theirs:
         raise DeclarationError(
@@ -135,3 +136,22 @@ def _check_signature(name: str, rule, host) -> None:
             f"{where} takes `saved`, so it must fill `out` as well (the zero-copy form "
             f"`def {rule.name}(self, ..., *, out, saved=None, stream)`): on the device, "
             f"jaxdecl writes what a rule returns only into XLA's buffers")
+
+
+def _check_partial_inputs(name: str, rule, host) -> None:
+    """Zero tangents and wanted cotangents shape the equation both rules serve: a device
+    rule sees part of the inputs exactly where its host rule does."""
+    where = _where(name, rule)
+    if rule.zeros != host.zeros:
+        raise DeclarationError(
+            f"{where} is declared with zeros={rule.zeros}, but its host rule "
+            f"{name}.{host.name} with zeros={host.zeros}: both serve the same equations, "
+            f"which pass None for a zero tangent only where the host rule takes it; declare "
+            f"both with zeros={host.zeros}")
+    if rule.wanted != host.wanted:
+        have, lack = (rule, host) if rule.wanted else (host, rule)
+        raise DeclarationError(
+            f"{where}: {name}.{have.name} takes the keyword-only `wanted` but "
+            f"{name}.{lack.name} does not; both serve the same equations, which return only "
+            f"the wanted cotangents where the host rule takes `wanted`: give both rules the "
+            f"keyword, or neither")
