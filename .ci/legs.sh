@@ -46,6 +46,27 @@ python_for() {
     return 1
 }
 
+# The README's set-up commands, word for word (tests/test_readme.py holds README.md to them).
+README_QUICKSTART='python3 -m venv .venv && .venv/bin/pip install . && .venv/bin/python tutorials/01_quickstart.py'
+README_TESTS='python3 -m venv .venv && .venv/bin/pip install ".[test]" && .venv/bin/pytest'
+
+# readme_leg [3.X]: the README's test command as a reader runs it in the checkout, built from
+# source by pip: with the default python3 into .venv, or with Python 3.X into
+# .venv-readme3X (the same command with that interpreter and folder). Then the quickstart
+# tutorial from the checkout's root, as the README runs it, in the same environment.
+readme_leg() {
+    local command=$README_TESTS venv=.venv python
+    if [ $# -gt 0 ]; then
+        python=$(python_for "$1")
+        venv=".venv-readme${1/./}"
+        command=${command//.venv/$venv}
+        command=${command/python3 /$python }
+    fi
+    echo "$command"
+    bash -c "$command"
+    "$venv/bin/python" tutorials/01_quickstart.py >/dev/null
+}
+
 # wheel_for 3.X: the manylinux wheel tools/build-dist left in dist/ for that Python.
 wheel_for() {
     ls dist/jaxdecl-*-cp"${1/./}"-cp"${1/./}"-manylinux*.whl
@@ -62,17 +83,19 @@ in_tests() {
 CORE_TEST_DEPS=("pytest>=7" "pytest-xdist>=3.5" "hypothesis>=6.100" "equinox>=0.11"
                 "scipy>=1.11" "flatbuffers>=23")
 
-# wheel_leg 3.X -- [whole | jax=VERSION PYTEST-ARGS...] -- ...
+# wheel_leg 3.X [-- jax=VERSION PYTEST-ARGS... [-- jax=VERSION PYTEST-ARGS...]...]
 # The wheel for 3.X in a fresh environment where no compiler can run (none on PATH, CC
 # and CXX fail), with only binary packages and the newest JAX this Python gets: the
-# quickstart and the dispatch tests. Then, in the same environment with the compiler
-# back (C kernels' tests compile), each group after a `--`: `whole` is the whole suite
-# with the test extra; `jax=V ARGS` installs JAX V and runs pytest ARGS.
+# quickstart (from the checkout's root, as the README runs it) and the dispatch tests.
+# Then, in the same environment with the compiler back (C kernels' tests compile), each
+# group after a `--`: JAX V installed with the core modules' test dependencies, and
+# pytest ARGS.
 wheel_leg() {
     local version=$1 venv=".venv-cp${1/./}" wheel python
     python=$(python_for "$version")
     wheel=$(wheel_for "$version")
-    shift 2
+    shift
+    [ $# = 0 ] || shift  # the first --
     "$python" -m venv "$venv"
     (
         export CC=/bin/false CXX=/bin/false PATH="$PWD/$venv/bin"
@@ -80,22 +103,17 @@ wheel_leg() {
 if shutil.which(c)]; sys.exit(f'a compiler is on PATH: {found}' if found else None)"
         pip install -q --only-binary=:all: "$wheel" "pytest>=7" "pytest-xdist>=3.5"
         python -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__)"
-        (cd tests && python ../tutorials/01_quickstart.py >/dev/null)
+        python tutorials/01_quickstart.py >/dev/null
         in_tests "$venv" -q test_dispatch.py
     )
     while [ $# -gt 0 ]; do
         local group=()
         while [ $# -gt 0 ] && [ "$1" != -- ]; do group+=("$1"); shift; done
         [ $# -gt 0 ] && shift
-        if [ "${group[0]}" = whole ]; then
-            "$venv/bin/pip" install -q "$wheel[test]"
-            in_tests "$venv" -q
-        else
-            local jax=${group[0]#jax=}
-            "$venv/bin/pip" install -q "jax==$jax" "jaxlib==$jax" "${CORE_TEST_DEPS[@]}"
-            "$venv/bin/python" -c "import jax; print('jax', jax.__version__)"
-            in_tests "$venv" -q "${group[@]:1}"
-        fi
+        local jax=${group[0]#jax=}
+        "$venv/bin/pip" install -q "jax==$jax" "jaxlib==$jax" "${CORE_TEST_DEPS[@]}"
+        "$venv/bin/python" -c "import jax; print('jax', jax.__version__)"
+        in_tests "$venv" -q "${group[@]:1}"
     done
 }
 

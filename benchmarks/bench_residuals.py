@@ -163,17 +163,21 @@ def _jb_abstract_reverse(*args, **kwargs):
     return ((args[0].shape, args[0].dtype), (args[1].shape, args[1].dtype))
 
 
+# pure_callback's host functions receive jax.Arrays, which SciPy before 1.16 (the newest on
+# Python 3.10) does not convert before its LAPACK wrappers read their `.flags`; np.asarray
+# is a view of a CPU jax.Array, no copy.
 def _host_solve(a, b):
-    return _factor_solve(a, b)[2]
+    return _factor_solve(np.asarray(a), np.asarray(b))[2]
 
 
 def _host_factor(a, b):
-    lu, piv, x = _factor_solve(a, b)
+    lu, piv, x = _factor_solve(np.asarray(a), np.asarray(b))
     return lu, piv.astype(np.int32), x
 
 
 def _host_lam(lu, piv, ct):
-    return scipy.linalg.lu_solve((lu, piv), ct, trans=1, check_finite=False)
+    return scipy.linalg.lu_solve((np.asarray(lu), np.asarray(piv)), np.asarray(ct), trans=1,
+                                 check_finite=False)
 
 
 @jax.custom_vjp

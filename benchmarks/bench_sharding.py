@@ -92,6 +92,7 @@ sys.path.insert(0, str(HERE))
 import harness
 
 import jaxdecl as jd
+from jaxdecl import _compat
 from jaxdecl.contrib import ducc
 
 try:
@@ -902,6 +903,11 @@ def main() -> None:
     parser.add_argument("--markdown", action="store_true", help="print the README tables")
     parser.add_argument("--out", default=str(HERE / "results_sharding.json"))
     args = parser.parse_args()
+    if not _compat.SPLITS_PER_SHARD:
+        raise SystemExit(
+            f"bench_sharding.py times ops that run per shard under jit, which needs JAX >= "
+            f"0.7 (this is JAX {jax.__version__}, where XLA gathers their inputs instead: "
+            f"README.md, 'What needs a newer JAX')")
 
     fft = fft_section(args.quick)
     undeclared_report = undeclared(args.quick)

@@ -6,13 +6,16 @@ import subprocess
 import sys
 
 import pytest
-from conftest import subprocess_env
+from conftest import needs_split, subprocess_env
+
+from jaxdecl import _compat
 
 pytest.importorskip("jaxbind")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+@needs_split  # (the script refuses to time a gathering op as a per-shard one)
 def test_quick_run_reports_every_variant(tmp_path):
     out = tmp_path / "results_sharding.json"
     # The script sets 4 host devices itself, replacing this session's device count.
@@ -99,3 +102,16 @@ def test_quick_run_reports_every_variant(tmp_path):
             entry = breakdown[mode]
             assert 0 < entry["callbacks_s"] < entry["compile_s"], mode
             assert entry["callback_steps_s"], mode
+
+
+@pytest.mark.skipif(_compat.SPLITS_PER_SHARD, reason="JAX >= 0.7 runs the benchmark (above)")
+def test_on_older_jax_it_stops_naming_the_jax_it_needs(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_sharding.py"), "--quick",
+         "--out", str(tmp_path / "results_sharding.json")],
+        check=False, capture_output=True, text=True, timeout=120, env=subprocess_env(),
+        cwd=ROOT)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "bench_sharding.py times ops that run per shard under jit, which needs JAX >= 0.7" \
+        in done.stderr, done.stderr[-3000:]
+    assert not (tmp_path / "results_sharding.json").exists()

@@ -1,5 +1,8 @@
 """Declaring primitives: both spellings, options, validation, call conventions, sharing."""
 
+import functools
+import warnings
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -507,12 +510,81 @@ def test_unhashable_configuration_falls_back_to_identity():
     Counted, calls = _counting_class()
     a = Counted(2.0, table=[1, 2])
     b = Counted(2.0, table=[1, 2])
-    assert handle_of(a) is not handle_of(b)
+    with pytest.warns(UserWarning, match="every new instance is a configuration of its own"):
+        assert handle_of(a) is not handle_of(b)
     assert handle_of(a) is handle_of(a)
     x = jnp.ones(2)
     np.testing.assert_array_equal(a(x), [2.0, 2.0])
     np.testing.assert_array_equal(b(x), [2.0, 2.0])
     assert len(calls) == 2
+
+
+@functools.cache
+def _equal_without_hash(cls):
+    """`cls` with an ``__eq__`` of its own (Python then sets ``__hash__`` to None)."""
+    def __eq__(self, other):
+        return type(other) is type(self) and other.factor == self.factor
+
+    return type("EqualWithoutHash", (cls,), {"__eq__": __eq__})
+
+
+def _csr():
+    sparse = pytest.importorskip("scipy.sparse")
+    return sparse.eye(2, format="csr")
+
+
+UNHASHABLE = {  # how an op is made: what the warning says of it
+    "list": (lambda cls: cls(2.0, table=[1, 2]),
+             "its configuration attribute 'table' (a list) cannot be hashed"),
+    "array": (lambda cls: cls(2.0, weights=np.ones(2), table={}),
+              "its configuration attributes 'weights' (a ndarray), 'table' (a dict) cannot be "
+              "hashed"),
+    "csr": (lambda cls: cls(2.0, matrix=_csr()),
+            "its configuration attribute 'matrix' (a csr_matrix) cannot be hashed"),
+    "eq": (lambda cls: _equal_without_hash(cls)(2.0),
+           "EqualWithoutHash defines __eq__ but no __hash__"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(UNHASHABLE))
+def test_a_second_instance_of_an_unhashable_configuration_warns_once_per_class(kind):
+    make, cause = UNHASHABLE[kind]
+    Counted, _ = _counting_class()
+    first = make(Counted)
+    name = type(first).__name__
+    x = jnp.ones(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the first instance, reused: nothing to say
+        first(x), first(x)
+    with pytest.warns(UserWarning) as caught:
+        make(Counted)(x)  # a new instance: its own kernels
+    [warning] = caught
+    message = str(warning.message)
+    assert message == (
+        f"{name}: {cause}, so jaxdecl tells its instances apart by identity: every new "
+        f"instance is a configuration of its own, whose kernels are built again (an eager "
+        f"call of a new instance takes several times as long as one of a reused instance) "
+        f"and whose jitted programs compile again. Define __eq__ and __hash__ on {name} "
+        f"(over what the rules read), or create the op once and reuse the instance"
+        + (" (an array can also be an input of the op, listed in nondiff=)"
+           if kind == "array" else "")), message
+    assert warning.filename == __file__  # the line that made the instance's call
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per class
+        make(Counted)(x), jax.jit(lambda x: make(Counted)(x))(x)
+
+
+def test_hashable_configurations_and_ops_keyed_by_identity_by_design_do_not_warn():
+    Counted, _ = _counting_class()
+    x = jnp.ones(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for factor in (1.0, 2.0, 3.0):  # each a configuration: it says so by its attributes
+            Counted(factor, table=(1, 2))(x)
+        for _ in range(3):  # a bound method of the op itself: by identity, hashable
+            op = Counted(2.0)
+            op.method = op.__repr__
+            op(x)
 
 
 def test_class_equality_decides_sharing():

@@ -37,7 +37,8 @@ MISMATCHES = {
     "shape": r"Wrong\.apply \(@forward\) returned shape \(3,\) for output 1, but @abstract "
              r"declared \(4,\)",
     "dtype": r"Wrong\.apply \(@forward\) returned dtype float32 for output 1, but @abstract "
-             r"declared float64",
+             r"declared float64: cast it in the rule, `\.astype\(np\.float64\)`, or declare "
+             r"float32 in @abstract",
     "count": r"Wrong\.apply \(@forward\) returned 1 result\(s\), but 2 were expected "
              r"\(output 0, output 1\)",
 }
@@ -69,6 +70,39 @@ def test_single_output_mismatch_names_the_output():
     with pytest.raises(jd.RuleError, match=r"Short\.apply \(@forward\) returned shape \(2,\) "
                                            r"for output, but @abstract declared \(3,\)"):
         Short()(jnp.ones(3))
+
+
+class Widened(jd.Primitive):
+    """Declares x's dtype; returns what NumPy makes of x in `dtype` (SciPy's float64)."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    @jd.abstract
+    def shapes(self, x):
+        return _same(x)
+
+    @jd.forward
+    def apply(self, x):
+        return x.astype(self.dtype)
+
+
+@pytest.mark.parametrize("declared, got", [("float32", "float64"), ("complex64", "complex128"),
+                                           ("int32", "int64")])
+@pytest.mark.parametrize("where", ["eager", "jit"])
+def test_a_64_bit_result_for_a_32_bit_output_names_astype_and_x64(declared, got, where):
+    # JAX's default (32-bit) arrays, and a rule computing in 64 bits as SciPy does.
+    op = Widened(np.dtype(got))
+    x = np.arange(3).astype(declared)
+    call = op if where == "eager" else jax.jit(op)
+    expected = (rf"Widened\.apply \(@forward\) returned dtype {got} for output, but @abstract "
+                rf"declared {declared}: cast it in the rule, `\.astype\(np\.{declared}\)` "
+                rf"\(JAX makes {declared} arrays unless 64-bit mode is on, while NumPy and SciPy "
+                rf"often compute in {got}\), or, where @abstract declares the inputs' dtype, "
+                rf"turn 64-bit mode on \(`jax\.config\.update\(\"jax_enable_x64\", True\)`\) "
+                rf"and pass {got} inputs")
+    with pytest.raises(jd.RuleError if where == "eager" else JaxRuntimeError, match=expected):
+        jax.block_until_ready(call(x))
 
 
 def test_return_form_never_yields_garbage():

@@ -201,20 +201,51 @@ def test_no_private_module_is_over_400_lines():
     assert not long, long
 
 
-def test_a_source_tree_without_the_extension_says_how_to_build_it(tmp_path):
+def _unbuilt_copy(folder: pathlib.Path) -> pathlib.Path:
+    """A copy of the package's sources without the compiled extension, in `folder`."""
     import shutil
+
+    shutil.copytree(PACKAGE, folder / "jaxdecl",
+                    ignore=shutil.ignore_patterns("*.so", "*.pyd", "__pycache__"))
+    return folder / "jaxdecl"
+
+
+def test_a_source_tree_without_the_extension_says_how_to_build_it(tmp_path):
+    from jaxdecl._host import registry
+
+    source = _unbuilt_copy(tmp_path)
+    # Nothing else on the path: build it, or install jaxdecl.
+    message = registry._not_built(ImportError("No module named '_dispatch'"),
+                                  str(source / "_host" / "registry.py"), [str(tmp_path)])
+    assert message.startswith("jaxdecl's compiled extension"), message
+    assert "run `pip install -e .` in the source tree" in message
+    assert "No module named '_dispatch'" in message
+
+
+def test_a_source_tree_shadowing_an_installed_jaxdecl_names_both(tmp_path):
+    """The README's plain install, then ``python -c "import jaxdecl"`` in the checkout:
+    the current folder comes first on the path, and holds the unbuilt sources."""
     import subprocess
     import sys
 
-    shutil.copytree(PACKAGE, tmp_path / "jaxdecl",
-                    ignore=shutil.ignore_patterns("*.so", "*.pyd", "__pycache__"))
+    source = _unbuilt_copy(tmp_path)
+    installed = pathlib.Path(jaxdecl.__file__).resolve().parent  # built
     done = subprocess.run([sys.executable, "-c", "import jaxdecl"], capture_output=True,
                           text=True, timeout=300, cwd=tmp_path,
-                          env={"PATH": "", "PYTHONPATH": str(tmp_path)})
+                          env={"PATH": "", "PYTHONPATH": str(installed.parent)})
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("ImportError: jaxdecl's compiled extension"), last
-    assert "run `pip install -e .`" in last and "circular" not in done.stderr, done.stderr
+    assert last.startswith(f"ImportError: jaxdecl was imported from the source tree {source}, "
+                           f"whose compiled extension"), last
+    assert f"while an installed jaxdecl is at {installed}:" in last, last
+    assert "run from another folder (out of the checkout) to use the installed jaxdecl" in last
+    assert f"run `pip install -e .` in {tmp_path}" in last
+    assert "circular" not in done.stderr, done.stderr
+    # From another folder the same command imports the installed copy.
+    done = subprocess.run([sys.executable, "-c", "import jaxdecl; print(jaxdecl.__file__)"],
+                          capture_output=True, text=True, timeout=300, cwd=source / "_host",
+                          env={"PATH": "", "PYTHONPATH": str(installed.parent)})
+    assert done.stdout.strip() == str(installed / "__init__.py"), done.stderr[-3000:]
 
 
 _FIRST_CALL = """

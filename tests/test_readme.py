@@ -19,3 +19,69 @@ def test_readme_example_runs(code):
 
 def test_readme_has_examples():
     assert len(BLOCKS) >= 2
+
+
+# --- the set-up commands: CI runs them on the oldest and the newest Python ---------------
+
+CI = README.parent / ".ci"
+
+
+def _legs_variable(name: str) -> str:
+    """A single-quoted variable of .ci/legs.sh."""
+    return re.search(rf"^{name}='(.*)'$", (CI / "legs.sh").read_text(), re.M)[1]
+
+
+def _supported_pythons() -> list:
+    """The README's range, ``CPython **3.10 to 3.13**``, as ["3.10", ..., "3.13"]."""
+    low, high = re.search(r"CPython \*\*3\.(\d+) to 3\.(\d+)\*\*", README.read_text()).groups()
+    return [f"3.{minor}" for minor in range(int(low), int(high) + 1)]
+
+
+def test_the_readme_set_up_commands_are_the_ones_ci_runs():
+    if not CI.is_dir():
+        pytest.skip(".ci/ is part of the checkout")
+    commands = re.findall(r"```bash\n(python3 -m venv .*)\n```", README.read_text())
+    assert commands == [_legs_variable("README_QUICKSTART"), _legs_variable("README_TESTS")]
+    legs = re.findall(r"^leg (\S+) readme_leg ?(\S*)$", (CI / "run").read_text(), re.M)
+    pythons = _supported_pythons()
+    # The default python3 (whichever it is), the oldest and the newest supported Python.
+    assert sorted(python for _, python in legs) == ["", pythons[0], pythons[-1]], legs
+    assert ">=" + pythons[0] in (README.parent / "pyproject.toml").read_text()
+
+
+def _extras() -> dict:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: pytest's own dependency
+        import tomli as tomllib
+    project = tomllib.loads((README.parent / "pyproject.toml").read_text())["project"]
+    return project["optional-dependencies"]
+
+
+def _test_requirements() -> list:
+    """The test extra's requirements, the extras it names expanded."""
+    from packaging.requirements import Requirement
+
+    extras, found, todo = _extras(), [], ["test"]
+    while todo:
+        for text in extras[todo.pop()]:
+            requirement = Requirement(text)
+            if requirement.name == "jaxdecl":
+                todo.extend(requirement.extras)
+            else:
+                found.append(requirement)
+    return found
+
+
+def test_what_a_supported_python_cannot_install_is_left_out_there_and_named():
+    # Without a marker pip searches every release of everything else for one that fits
+    # (the test command then never ends); with one, the README says what is missing where.
+    readme = " ".join(README.read_text().split())
+    pythons = _supported_pythons()
+    marked = [r for r in _test_requirements() if r.marker and "python_version" in str(r.marker)]
+    assert marked, "flax >= 0.11 needs Python >= 3.11"
+    for requirement in marked:
+        without = [p for p in pythons
+                   if not requirement.marker.evaluate({"python_version": p, "extra": "test"})]
+        assert without, requirement
+        assert f"on Python {', '.join(without)}, {requirement.name}" in readme, requirement

@@ -40,6 +40,18 @@ def _declared(script) -> tuple:
     return requires.declared(script) or ([], None)
 
 
+def _like_a_checkout(folder: pathlib.Path) -> pathlib.Path:
+    """`folder` with an unbuilt copy of jaxdecl's sources in it, as a checkout's root is
+    after a plain (non-editable) ``pip install .``."""
+    import shutil
+
+    import jaxdecl
+
+    shutil.copytree(pathlib.Path(jaxdecl.__file__).parent, folder / "jaxdecl",
+                    ignore=shutil.ignore_patterns("*.so", "*.pyd", "__pycache__"))
+    return folder
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=[t.name for t in TUTORIALS])
 def test_tutorial_runs(script, tmp_path):
     modules, extra = _declared(script)
@@ -48,8 +60,10 @@ def test_tutorial_runs(script, tmp_path):
         pytest.skip(requires.message(script, absent, extra))
     env = subprocess_env(MPLBACKEND="Agg")
     env.pop("XLA_FLAGS", None)  # tutorials run as a reader would: default devices
-    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300)
+    # ... from a checkout's root, as the tutorials' page says (`python tutorials/01_...`):
+    # whatever a tutorial runs there must import the installed jaxdecl, not the sources.
+    result = subprocess.run([sys.executable, str(script)], cwd=_like_a_checkout(tmp_path),
+                            env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert result.stdout.strip(), "a tutorial prints what a reader should look at"
 
@@ -196,4 +210,7 @@ def test_a_tutorial_without_its_package_stops_naming_the_extra(script, module, t
     assert result.stderr.strip().splitlines()[-1] == requires.message(script, absent, extra), \
         result.stderr[-3000:]
     assert f'pip install ".[{extra}]"' in result.stderr
+    if extra in requires.BEFORE:  # what to install first: PyTorch's CPU build
+        assert result.stderr.strip().splitlines()[-2] == f"{script.name}: " \
+            f"{requires.BEFORE[extra]}", result.stderr[-3000:]
     assert not result.stdout, "it stops before doing anything"

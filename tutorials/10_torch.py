@@ -8,8 +8,9 @@ that ``jax.grad`` runs PyTorch's forward once per gradient step. A PyTorch user
 computes a loss and calls ``loss.backward()``: one forward, one backward.
 Declared naively, a JAX primitive's ``@vjp`` only sees the inputs, so it must
 run PyTorch's forward again (``torch.func.vjp``). Every value is compared with
-the same loss written in ``jax.numpy``. Needs ``pip install ".[torch]"`` (the
-CPU build of PyTorch is enough).
+the same loss written in ``jax.numpy``. Needs ``pip install ".[torch]"``; the
+CPU build of PyTorch is enough, and much smaller than PyPI's default CUDA build:
+``pip install torch --index-url https://download.pytorch.org/whl/cpu`` first.
 """
 
 import requires  # tutorials/requires.py: without line 1's package, stops with its pip command

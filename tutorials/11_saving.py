@@ -114,8 +114,12 @@ env["PYTHONPATH"] = os.pathsep.join([str(HERE)] + [p for p in [env.get("PYTHONPA
 
 
 def run(code):
-    """Runs `code` in a fresh Python process; returns what it printed."""
-    done = subprocess.run([sys.executable, "-c", code, str(folder)], env=env,
+    """Runs `code` in a fresh Python process; returns what it printed.
+
+    It runs in the saved files' folder: `python -c` puts its working folder first on the
+    path, and from a checkout of jaxdecl (where these tutorials are run) that would import
+    the source tree instead of the installed jaxdecl."""
+    done = subprocess.run([sys.executable, "-c", code, str(folder)], env=env, cwd=folder,
                           capture_output=True, text=True, timeout=240)
     if done.returncode != 0:
         raise SystemExit(f"the loading process failed:\n{done.stderr[-3000:]}")

@@ -28,6 +28,12 @@ import pathlib
 import re
 import sys
 
+#: What to install before an extra whose plain install is not the one to make, printed on
+#: the line before the stop line.
+BEFORE = {"torch": "the CPU build of PyTorch is enough, and much smaller than PyPI's default "
+                   "CUDA build; install it first: "
+                   "pip install torch --index-url https://download.pytorch.org/whl/cpu"}
+
 #: The one form of the line: import names, then the pip command that installs them.
 LINE = re.compile(r'^# requires: (?P<modules>[A-Za-z_][\w ]*?) '
                   r'\(pip install "\.\[(?P<extra>[a-z][a-z0-9-]*)\]"\)$')
@@ -73,11 +79,14 @@ def message(script, absent, extra) -> str:
 
 
 def check(script) -> None:
-    """Stops `script` (exit status 1), naming its extra, if a package it requires is missing."""
+    """Stops `script` (exit status 1), naming its extra, if a package it requires is missing
+    (after what to install first, for an extra in :data:`BEFORE`)."""
     need = declared(script)
     if need is None:
         return
     modules, extra = need
     absent = missing(modules)
     if absent:
+        if extra in BEFORE:
+            print(f"{pathlib.Path(script).name}: {BEFORE[extra]}", file=sys.stderr)
         sys.exit(message(script, absent, extra))

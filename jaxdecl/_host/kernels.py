@@ -112,9 +112,27 @@ def _store(results, outs, io: RuleIO, context: str, batch_rank: int = 0) -> None
             else:
                 raise RuleError(
                     f"{context} returned dtype {value.dtype} for {io.out_names[index]}, but "
-                    f"@abstract declared {out.dtype}"
+                    f"@abstract declared {out.dtype}: {_dtype_fix(value.dtype, out.dtype)}"
                 )
         np.copyto(out, value, casting="no")
+
+
+#: A 64-bit result where @abstract declared its 32-bit kind: NumPy and SciPy computing in
+#: double precision from the float32 arrays that JAX makes by default.
+_WIDENED = {("float64", "float32"), ("complex128", "complex64"), ("int64", "int32"),
+            ("uint64", "uint32")}
+
+
+def _dtype_fix(got: np.dtype, declared: np.dtype) -> str:
+    """The fix of a rule's result dtype that differs from @abstract's."""
+    module = "np" if getattr(np, declared.name, None) is declared.type else "ml_dtypes"
+    cast = f"cast it in the rule, `.astype({module}.{declared.name})`"
+    if (got.name, declared.name) in _WIDENED:
+        return (f"{cast} (JAX makes {declared.name} arrays unless 64-bit mode is on, while "
+                f"NumPy and SciPy often compute in {got.name}), or, where @abstract "
+                f"declares the inputs' dtype, turn 64-bit mode on "
+                f"(`jax.config.update(\"jax_enable_x64\", True)`) and pass {got.name} inputs")
+    return f"{cast}, or declare {got.name} in @abstract"
 
 
 def _broadcasts(shape, target, batch_rank: int) -> bool:

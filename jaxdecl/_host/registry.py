@@ -55,14 +55,54 @@ from __future__ import annotations
 
 import bdb
 import gc
+import os
 import signal
 import sys
+from importlib.machinery import EXTENSION_SUFFIXES
 
 import jax
 import numpy as np
 
 from .. import _compat, _dtypes
 from .._spec.cfunction import CFunction
+
+
+def _not_built(error, here: str, path: list) -> str:
+    """Why the extension did not load, and the fix; `here` is this module's file.
+
+    The common cause is a source checkout that shadows an installed jaxdecl: for
+    ``python -c``, ``python -m`` and the REPL, Python looks in the current folder
+    before site-packages, so ``import jaxdecl`` in the checkout after a plain
+    ``pip install .`` finds the unbuilt sources. Then the message names both copies.
+    """
+    package = os.path.dirname(os.path.dirname(os.path.abspath(here)))
+    installed = _built_copy_elsewhere(package, path)
+    if installed is None:
+        return (f"jaxdecl's compiled extension (jaxdecl._host._dispatch, built from csrc/) is "
+                f"not built or does not load ({error}): run `pip install -e .` in the source "
+                f"tree, or install jaxdecl with `pip install jaxdecl`")
+    return (f"jaxdecl was imported from the source tree {package}, whose compiled extension "
+            f"(jaxdecl._host._dispatch, built from csrc/) is not built ({error}), while an "
+            f"installed jaxdecl is at {installed}: Python found the source folder first on "
+            f"its path (the current folder comes first for `python -c`, `python -m` and the "
+            f"REPL). Either run from another folder (out of the checkout) to use the "
+            f"installed jaxdecl, or build this source tree in place: run `pip install -e .` "
+            f"in {os.path.dirname(package)}")
+
+
+def _built_copy_elsewhere(package: str, path: list) -> str | None:
+    """A jaxdecl package on `path`, other than `package`, whose extension is built."""
+    this = os.path.realpath(package)
+    for entry in path:
+        candidate = os.path.join(entry or os.curdir, "jaxdecl")
+        if os.path.realpath(candidate) == this or not os.path.isdir(candidate):
+            continue
+        # (built for this Python: the suffix names its version)
+        if any(os.path.isfile(os.path.join(candidate, "_host", f"_dispatch{suffix}"))
+               for suffix in EXTENSION_SUFFIXES):
+            return os.path.abspath(candidate)
+    return None
+
 
 try:
     from ._dispatch import (
@@ -78,10 +118,7 @@ try:
         set_worker_guard,
     )
 except ImportError as error:  # a source tree whose extension was never built
-    raise ImportError(
-        f"jaxdecl's compiled extension (jaxdecl._host._dispatch, built from csrc/) is not "
-        f"built or does not load ({error}): run `pip install -e .` in the source tree, or "
-        f"install jaxdecl with `pip install jaxdecl`") from None
+    raise ImportError(_not_built(error, __file__, sys.path)) from None
 
 from . import cuda as _cuda  # noqa: E402 - once the extension is known to load
 

@@ -3,7 +3,9 @@
 Two instances share compiled code when their configurations are equal: by the
 class's own ``__eq__``/``__hash__`` where it defines them, else by their
 attributes (``__dict__`` and set ``__slots__``, typed: 1, 1.0 and True differ)
-when those are hashable, else by identity. Keys never keep an instance alive.
+when those are hashable, else by identity. Keys never keep an instance alive. A class
+whose configuration cannot be hashed warns at its second instance (once): each new
+instance then builds its kernels anew, and the fix is the user's.
 :func:`handle_of` gives an instance its configuration's
 :class:`~jaxdecl._op.handle.OpHandle` (made on first use, with its
 fingerprint), and keeps it while an instance of that configuration lives.
@@ -20,7 +22,10 @@ Example:
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
+import warnings
 import weakref
 
 import jax
@@ -274,8 +279,77 @@ def handle_of(instance) -> OpHandle:
                 handle = OpHandle(spec)
                 handle.fingerprint = claim_fingerprint(handle, type(instance), items)
                 _live[key] = handle
+                if items is None:
+                    _identity_keyed(spec, instance)
     _anchor(instance, handle, values)
     return handle
+
+
+# ---------------------------------------------------------------------------------------
+# Configurations that cannot be hashed
+# ---------------------------------------------------------------------------------------
+
+_by_identity: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # class -> handles made
+
+
+def _identity_keyed(spec, instance) -> None:
+    """Counts the handles made for instances of a class keyed by identity, and warns
+    once per class, at the second: each new instance is then a configuration of its
+    own, although its attributes may be the same as the first's."""
+    cls = type(instance)
+    made = _by_identity[cls] = _by_identity.get(cls, 0) + 1
+    if made != 2:
+        return
+    cause, arrays = _unhashable(instance)
+    if cause is None:  # keyed by identity by design (a bound method of the op itself)
+        return
+    as_input = (" (an array can also be an input of the op, listed in nondiff=)"
+                if arrays else "")
+    warnings.warn(
+        f"{spec.name}: {cause}, so jaxdecl tells its instances apart by identity: every new "
+        f"instance is a configuration of its own, whose kernels are built again (an eager "
+        f"call of a new instance takes several times as long as one of a reused instance) "
+        f"and whose jitted programs compile again. Define __eq__ and __hash__ on "
+        f"{cls.__name__} (over what the rules read), or create the op once and reuse the "
+        f"instance{as_input}", UserWarning, stacklevel=_caller_level())
+
+
+def _unhashable(instance) -> tuple:
+    """``(what keeps `instance`'s configuration from being hashed, in words, or None;
+    whether an array attribute does)``."""
+    cls = type(instance)
+    values = attributes(instance) or {}
+    arrays = any(isinstance(v, (np.ndarray, jax.Array)) for v in values.values())
+    if cls.__eq__ is not object.__eq__ or cls.__hash__ is not object.__hash__:
+        if cls.__hash__ is None:
+            return f"{cls.__name__} defines __eq__ but no __hash__", arrays
+        try:
+            hash(instance)
+        except TypeError as error:
+            return f"hash() of a {cls.__name__} raises TypeError ({error})", arrays
+        return None, arrays
+    names = []
+    for name, value in values.items():
+        try:
+            hash(value)
+        except TypeError:
+            names.append(f"{name!r} (a {type(value).__name__})")
+    if not names:
+        return None, arrays
+    return (f"its configuration attribute{'s' if len(names) > 1 else ''} "
+            f"{', '.join(names)} cannot be hashed"), arrays
+
+
+_OWN_FILES = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # jaxdecl
+              os.path.dirname(os.path.abspath(jax.__file__)) + os.sep)
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` that points a warning at the user's code, past jaxdecl and JAX."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_OWN_FILES):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
 
 
 _MISSING = object()
