@@ -321,47 +321,6 @@ def local_equation(eqn, factors, plan: Plan, axis_sizes: dict, operand_shapes) -
     return shard, local_in
 
 
-def split_rank(factors, devices: int, looped: bool) -> int:
-    """The rank of an equation XLA may split by itself, or 0 (then a callback splits it).
-
-    That is when every operand and result has the same factors in the same
-    order: the equation is elementwise (``"b n -> b n"``, a vmap dim included),
-    so any split of any dims runs the same rule on each block, and nothing is
-    summed or gathered. Each factor must divide evenly over all `devices` (so
-    over any of their mesh axes), and none may be ``replicate`` (the callback
-    path warns when it gathers one). Rules looped over a vmap dim are excluded:
-    their kernel loops over the whole batch shape.
-    """
-    tensors = [*factors.operands, *factors.results]
-    if looped or not tensors:
-        return 0
-    rank = len(tensors[0])
-    if rank == 0 or any(tuple(t) != tuple(tensors[0]) for t in tensors[1:]):
-        return 0
-    names = tensors[0]
-    if len(set(names)) != rank or any(
-            f in factors.replicate or factors.sizes.get(f, 0) < devices
-            or factors.sizes[f] % devices for f in names):
-        return 0
-    return rank
-
-
-def sdy_rule(factors):
-    """The Shardy sharding rule of one equation (factors renamed f0, f1, ...)."""
-    names: dict = {}
-    for f in itertools.chain(*factors.operands, *factors.results):
-        names.setdefault(f, f"f{len(names)}")
-    in_results = set(itertools.chain(*factors.results))
-    reduction = tuple(names[f] for f in names if f not in in_results
-                      and f not in factors.replicate)
-    replicate = tuple(names[f] for f in names if f in factors.replicate)
-    mapping = _compat.sdy.ArrayMapping
-    return _compat.sdy.SdyShardingRule(
-        tuple(mapping(*(names[f] for f in v)) for v in factors.operands),
-        tuple(mapping(*(names[f] for f in v)) for v in factors.results),
-        reduction_factors=reduction, need_replication_factors=replicate)
-
-
 def to_spec(entries):
     """A PartitionSpec of `entries`, trailing whole dims left out (as users write them)."""
     entries = list(entries)

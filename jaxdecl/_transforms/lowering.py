@@ -43,6 +43,7 @@ from .._host import registry as _runtime
 from .._op import fingerprint as _fingerprint
 from .._sharded import plan as _plan
 from .._sharded import shardmap as _shardmap
+from .._sharded import shardy as _shardy
 from .._sharded import strategy as _strategy
 from .._sharded.strategy import Strategy
 from . import recipes as _recipes
@@ -79,7 +80,7 @@ def lower(ctx, *args, equation):
     factors, rank = None, 0
     if devices > 1 and not explicit:
         factors = eqn.factors(in_shapes)
-        rank = _plan.split_rank(factors, devices, eqn.looped)
+        rank = _shardy.split_rank(factors, devices, eqn.looped)
         facts["elementwise"] = bool(rank)
     strategy = _strategy.decide(**facts)
     if strategy is Strategy.DIRECT:
@@ -167,7 +168,7 @@ def _warn_cannot_split(name: str) -> None:
 
 def lower_split(ctx, args, eqn, factors, devices: int, rank: int):
     """One custom call that XLA's batch partitioner splits over its leading `rank` dims
-    (:func:`jaxdecl._sharded.plan.split_rank`; see the module docstring).
+    (:func:`jaxdecl._sharded.shardy.split_rank`; see the module docstring).
 
     The call is the single-device one (same kernel) with a trailing unit dim on
     every operand and result: XLA's batch partitioner splits only dims in front
@@ -263,7 +264,8 @@ def lower_partitioned(ctx, args, eqn, factors):
         return tuple(bind(eqn, operands))
 
     wrapped = _compat.custom_partitioning(whole)
-    wrapped.def_partition(partition=partition, sharding_rule=_plan.sdy_rule(factors))
+    wrapped.def_partition(partition=partition, sharding_rule=_shardy.sdy_rule(
+        factors, declared=eqn.declared))
     return _compat.mlir.lower_fun(lambda *a: list(wrapped(*a)), multiple_results=True)(
         ctx, *args)
 
