@@ -124,13 +124,17 @@ _WHY = {
 }
 
 
-def proposal(factors, axis_sizes: dict) -> list:
+def proposal(factors, axis_sizes: dict, primal=None) -> list:
     """Operand specs that split the equation as its factors allow, with no operands'
     shardings to follow (a program exported over Auto axes).
 
     Each mesh axis, in order, goes to the first factor it divides: factors the
     results keep (no sum needed), the larger first, then summed ones (a psum).
-    Factors needed whole are never split.
+    Factors needed whole are never split. With `primal`, the factors of the op's
+    forward at the same shapes, the axes go to the forward's factors and every
+    rule of the op follows them (a tangent or cotangent split as its primal),
+    as they do under ``jit``: a vjp runs on the forward's blocks, not on its own
+    choice of them.
 
     Example:
         >>> from jaxdecl._spec.factors import RuleFactors
@@ -138,7 +142,23 @@ def proposal(factors, axis_sizes: dict) -> list:
         ...                 replicate=frozenset(), sizes={"b": 8, "k": 6}, inputs=(), batch=())
         >>> proposal(f, {"x": 2, "y": 3})
         [('x', 'y'), ('y',)]
+        >>> forward = RuleFactors(operands=(("b", "k"), ("k",)), results=(("b",),),
+        ...                       replicate=frozenset(), sizes={"b": 8, "k": 16}, inputs=(),
+        ...                       batch=())
+        >>> vjp = RuleFactors(operands=(("b", "k"), ("k",), ("b",)),
+        ...                   results=(("b", "k"), ("k",)), replicate=frozenset(),
+        ...                   sizes=forward.sizes, inputs=(), batch=())
+        >>> proposal(vjp, {"d": 8})  # its own choice: the larger factor
+        [(None, 'd'), ('d',), (None,)]
+        >>> proposal(vjp, {"d": 8}, primal=forward)  # the forward's blocks
+        [('d', None), (None,), ('d',)]
     """
+    assigned = _proposed_axes(primal if primal is not None else factors, axis_sizes)
+    return [tuple(_entry(assigned.get(f, ())) for f in names) for names in factors.operands]
+
+
+def _proposed_axes(factors, axis_sizes: dict) -> dict:
+    """factor -> mesh axes, as :func:`proposal` assigns them."""
     kept = set(itertools.chain.from_iterable(factors.results))
     candidates = sorted(
         {f for names in factors.operands for f in names if f not in factors.replicate},
@@ -151,7 +171,7 @@ def proposal(factors, axis_sizes: dict) -> list:
                 assigned.setdefault(factor, ())
                 assigned[factor] += (axis,)
                 break
-    return [tuple(_entry(assigned.get(f, ())) for f in names) for names in factors.operands]
+    return assigned
 
 
 def refusal(eqn, operand, dim, factor, why, axes) -> str:

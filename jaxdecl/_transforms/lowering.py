@@ -46,6 +46,7 @@ from .._sharded import shardmap as _shardmap
 from .._sharded import shardy as _shardy
 from .._sharded import strategy as _strategy
 from .._sharded.strategy import Strategy
+from .._spec import interface as _interface
 from . import recipes as _recipes
 from .primitive import bind, broadcast_vmapped, jaxdecl_p, mesh_of
 
@@ -305,7 +306,7 @@ def lower_per_shard_map(ctx, args, eqn, mesh, proposed: bool = False):
     in_shapes = tuple(tuple(a.shape) for a in ctx.avals_in)
     axis_sizes = dict(mesh.shape)
     factors = eqn.factors(in_shapes)
-    specs = (_plan.proposal(factors, axis_sizes) if proposed
+    specs = (_plan.proposal(factors, axis_sizes, primal=_forward_factors(eqn)) if proposed
              else [_plan.partition_spec_of(a) for a in ctx.avals_in])
     plan = _plan.plan_for(eqn, factors, specs, axis_sizes, explicit=not proposed)
     shard, _ = _plan.local_equation(eqn, factors, plan, axis_sizes, in_shapes)
@@ -316,6 +317,13 @@ def lower_per_shard_map(ctx, args, eqn, mesh, proposed: bool = False):
     # Lowered inside an eager vmap (of a jit), the map still covers the whole mesh.
     with _compat.outside_vmap_axes():
         return _compat.mlir.lower_fun(whole, multiple_results=True)(ctx, *args)
+
+
+def _forward_factors(eqn):
+    """The factors of the forward of `eqn`'s op at the same shapes (what its rules follow)."""
+    shapes = tuple(eqn.batch + tuple(shape) for shape, _ in
+                   _interface.signature_leaves(eqn.signature))
+    return (eqn if eqn.rule == "forward" else eqn.with_rule("forward")).factors(shapes)
 
 
 # The primitive's lowering on CPU: registered here, where it is defined (importing
