@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -32,6 +33,7 @@ import numpy as np
 from jax.core import ShapedArray
 
 from .. import _compat, _errors
+from .._host import processes as _processes
 from .._host import registry as _runtime
 from .._sharded import plan as _plan
 from .._sharded import shardmap as _shardmap
@@ -220,7 +222,9 @@ def run_sharded(eqn, operands, *, single: bool = False, rebuild=None):
     # Operands on no mesh (NumPy values, one-device arrays) join it whole.
     placed = [x if isinstance(getattr(x, "sharding", None), _compat.NamedSharding) else
               jax.device_put(x, _compat.NamedSharding(mesh, _compat.P())) for x in operands]
-    with _compat.outside_vmap_axes():  # the per-shard map covers the whole mesh
+    everywhere = (_processes.spanning() if not all(
+        getattr(x, "is_fully_addressable", True) for x in placed) else contextlib.nullcontext())
+    with _compat.outside_vmap_axes(), everywhere:  # the per-shard map covers the whole mesh
         result = run(call, placed)
     del pin  # held until here: the kernel's op stays alive for the call
     return result

@@ -39,6 +39,7 @@ import jax
 import numpy as np
 
 from .. import _compat
+from .._host import processes as _processes
 from .._host import registry as _runtime
 from .._op import fingerprint as _fingerprint
 from .._sharded import plan as _plan
@@ -55,14 +56,24 @@ def _program_mesh(ctx):
     """``(mesh, devices)`` the program is compiled for; ``(None, 1)`` inside shard_map."""
     context = ctx.module_context.axis_context
     if not isinstance(context, _compat.ShardingContext):
-        return None, 1  # shard_map (manual axes): the rule already sees blocks
+        # shard_map (manual axes): the rule already sees blocks
+        _spanning(getattr(getattr(context, "mesh", None), "size", 1))
+        return None, 1
     devices = len(context.device_assignment or ())
+    _spanning(devices)
     mesh = context.abstract_mesh
     if mesh is None or mesh.empty:
         mesh = mesh_of(ctx.avals_in)
     if mesh is None or mesh.empty:
         return None, 1
     return mesh, devices
+
+
+def _spanning(devices: int) -> None:
+    """A program on more devices than this process has spans processes: from now on
+    a rule that fails in this process ends the job (:mod:`jaxdecl._host.processes`)."""
+    if devices > jax.local_device_count():
+        _processes.join()
 
 
 def lower(ctx, *args, equation):

@@ -26,6 +26,7 @@ import numpy as np
 
 from .. import _dtypes
 from .._errors import ExportError
+from .._host import processes as _processes
 from .._host.registry import SPLIT_TARGET, TARGET
 from .._op.configuration import Unsaveable, configuration, decode, encode, find, restore
 from .._op.equation import Equation
@@ -174,6 +175,8 @@ def resolve(data: bytes) -> tuple:
     eqn = Equation(op, fields["rule"], _signature_of(fields["primals"]),
                    tuple(fields["batch"]), fields["wrt"])
     kernel, _ = eqn.kernel(tuple(tuple(s) for s in fields["in_shapes"]))
+    # A loaded program may span the processes of a job: a failing rule ends the job.
+    _processes.join()
     return kernel.slot, instance
 
 

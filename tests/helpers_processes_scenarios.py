@@ -1,0 +1,221 @@
+"""Scenarios that every process of a local job runs (``helpers_processes.run_job``).
+
+    python helpers_processes_scenarios.py SCENARIO[=ARG] [SCENARIO[=ARG] ...]
+
+Each process joins the job, runs the scenario on global arrays over a mesh of every
+device of every process, and prints ``{"process": I, "checks": {name: true | "what was
+seen"}}`` as its last line. Values are compared with jax.numpy through
+``process_allgather``; what each process's rules ran on is read from ``ops.SEEN``.
+"""
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from helpers_processes import join_job  # noqa: E402
+
+PROCESS, PROCESSES = join_job()
+
+import jax  # noqa: E402
+import jax.export  # noqa: E402, F401 - (older JAX does not import it with jax)
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxdecl as jd  # noqa: E402
+from jaxdecl import _compat  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+
+import ops  # noqa: E402  (after x64: its ops are made with 64-bit types)
+
+DEVICES = jax.devices()
+LOCAL = jax.local_device_count()
+ROWS = 2 * len(DEVICES)  # two rows per device
+
+
+def set_mesh(mesh):
+    """``jax.set_mesh``; ``jax.sharding.use_mesh`` on JAX 0.6."""
+    return (getattr(jax, "set_mesh", None) or jax.sharding.use_mesh)(mesh)
+
+
+def mesh_of(devices, kind="Auto"):
+    return Mesh(np.array(devices), ("d",), axis_types=(getattr(AxisType, kind),))
+
+
+def global_array(value, mesh, spec):
+    """`value` laid out over `mesh`, each process giving only its own blocks."""
+    return jax.make_array_from_callback(value.shape, NamedSharding(mesh, spec),
+                                        lambda index: value[index])
+
+
+def whole(array) -> np.ndarray:
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
+def close(got, want) -> bool | str:
+    got, want = whole(got), np.asarray(want)
+    if got.shape == want.shape and np.allclose(got, want, rtol=1e-12, atol=1e-12):
+        return True
+    return f"got {got.ravel()[:4]}..., want {want.ravel()[:4]}..."
+
+
+def same(got, want) -> bool | str:
+    return True if got == want else f"saw {got}, want {want}"
+
+
+def values(shape, seed=0):
+    return np.random.default_rng(seed).uniform(0.5, 1.5, shape)
+
+
+def holds_first(mesh) -> bool:
+    """This process holds the mesh's first device (where an undeclared op runs once)."""
+    return mesh.devices.flat[0].process_index == PROCESS
+
+
+# ---------------------------------------------------------------------------------------
+
+def eager_meshes() -> dict:
+    """Eager calls under ``jax.set_mesh(A)``, then on arrays of mesh B (the same devices
+    in reverse order): the kernel's slot operand must follow each call's mesh."""
+    checks = {}
+    x = values((ROWS, 6))
+    for kind in ("Auto", "Explicit"):
+        a, b = mesh_of(DEVICES, kind), mesh_of(DEVICES[::-1], kind)
+        for op, ref in ((ops.Cube(), ops.cube_ref), (ops.Softsign(), ops.softsign_ref),
+                        (ops.RowNorm(), ops.row_norm_ref)):
+            name = f"{kind} {type(op).__name__}"
+            try:
+                with set_mesh(a):
+                    first = op(global_array(x, a, P("d")))
+                ops.SEEN.clear()
+                second = op(global_array(x, b, P("d")))
+                jax.block_until_ready(second)
+            except Exception as error:  # noqa: BLE001 - reported to the test
+                checks[name] = f"raised {type(error).__name__}: {str(error)[:300]}"
+                continue
+            checks[f"{name}: mesh A value"] = close(first, ref(x))
+            checks[f"{name}: mesh B value"] = close(second, ref(x))
+            checks[f"{name}: on mesh B"] = second.sharding.mesh == b or str(second.sharding)
+            if isinstance(op, ops.Softsign):  # once, where mesh B's first device is
+                want = [("Softsign", "forward", (ROWS, 6))] * holds_first(b)
+            else:  # each local device its own two rows
+                want = [(type(op).__name__, "forward", (2, 6))] * LOCAL
+            checks[f"{name}: rules saw"] = same(sorted(ops.SEEN), want)
+    return checks
+
+
+def undeclared_layout() -> dict:
+    """Under ``jit`` over Auto axes an undeclared op's result is laid out like its input
+    (rows split), so the declared op after it runs on each device's rows, no process on
+    another's."""
+    mesh = mesh_of(DEVICES)
+    x = values((ROWS, 6))
+    xs = global_array(x, mesh, P("d"))
+    f = jax.jit(lambda v: ops.Cube()(ops.Softsign()(v)))
+    hlo = f.lower(xs).compile().as_text()
+    checks = {"value": close(f(xs), ops.cube_ref(ops.softsign_ref(x))),
+              "layout": _compat.P(*f(xs).sharding.spec) == P("d") or str(f(xs).sharding.spec),
+              # the undeclared op's input, gathered: nothing else
+              "one all-gather": hlo.count("all-gather(") == 1 or hlo.count("all-gather(")}
+    got = ops.seen(f, xs)
+    want = [("Cube", "forward", (2, 6))]
+    if holds_first(mesh):
+        want.append(("Softsign", "forward", (ROWS, 6)))
+    checks["rules saw"] = same(got, sorted(want))
+    return checks
+
+
+def export_plan(folder: str) -> dict:
+    """``jit(grad)`` of an op with ``reduce=`` on rows split over every device: its rules
+    run on each device's rows, and the same program exported in process 0 and run by
+    every process runs them on the same rows."""
+    mesh = mesh_of(DEVICES)
+    x = values((ROWS, 16))
+    xs = global_array(x, mesh, P("d"))
+    g = jax.jit(jax.grad(lambda v: jnp.sum(jnp.sin(ops.RowNorm()(v)))))
+    want = jax.grad(lambda v: jnp.sum(jnp.sin(ops.row_norm_ref(v))))(x)
+    rows = [("RowNorm", "forward", (2, 16)), ("RowNorm", "vjp", (2, 16))]
+    checks = {"jit: value": close(g(xs), want), "jit: rules saw": same(ops.seen(g, xs), rows)}
+    path = os.path.join(folder, "grad.exported")
+    if PROCESS == 0:
+        exported = jax.export.export(g, disabled_checks=jd.disabled_checks())(xs)
+        with open(path + ".part", "wb") as file:
+            file.write(exported.serialize())
+        os.replace(path + ".part", path)
+    multihost_utils.sync_global_devices("exported")
+    with open(path, "rb") as file:
+        loaded = jax.export.deserialize(bytearray(file.read()))
+    checks["export: value"] = close(loaded.call(xs), want)
+    checks["export: rules saw"] = same(ops.seen(loaded.call, xs), rows)
+    checks["export: layout"] = loaded.call(xs).sharding.spec == g(xs).sharding.spec or \
+        f"{loaded.call(xs).sharding.spec} != {g(xs).sharding.spec}"
+    return checks
+
+
+class Boom(jd.Primitive, sharding="b n -> b n"):
+    """2x, except on a block whose first value is 5: there it raises."""
+
+    @jd.abstract
+    def shapes(self, x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x):
+        if x.size and x.flat[0] == 5:
+            raise ValueError(f"boom in process {PROCESS}")
+        return 2 * x
+
+
+def failure(how: str) -> dict:
+    """A rule raises in process 1 only: ``jit-one`` on one of its devices (after the
+    program ran once, so collectives are set up), ``jit-all`` on all of them, ``eager``
+    in an eager call on global arrays; ``local``: in an eager call on its own arrays,
+    which must not end the job. Prints ``{"failing_at": time}`` first."""
+    mesh = mesh_of(DEVICES)
+    x = np.ones((ROWS, 4))
+    xs = global_array(x, mesh, P("d"))
+    total = jax.jit(lambda v: jnp.sum(Boom()(v)))
+    checks = {"warm": float(total(xs)) == 2 * x.size}
+    bad = x.copy()
+    if how == "jit-one":
+        bad[2 * (LOCAL + 1), 0] = 5  # the first row of process 1's second device
+    else:
+        bad[2 * LOCAL:4 * LOCAL, 0] = 5  # process 1's every first row
+    print(json.dumps({"failing_at": time.time()}), flush=True)
+    if how == "local":
+        if PROCESS == 1:
+            try:
+                Boom()(jnp.asarray(bad[2 * LOCAL:2 * LOCAL + 2]))
+                checks["local: raised"] = "it did not raise"
+            except ValueError as error:
+                checks["local: raised"] = "boom" in str(error) or str(error)
+        checks["after"] = float(total(xs)) == 2 * x.size
+    elif how == "eager":
+        jax.block_until_ready(Boom()(global_array(bad, mesh, P("d"))))
+    else:
+        float(total(global_array(bad, mesh, P("d"))))
+    return checks
+
+
+SCENARIOS = {"eager_meshes": eager_meshes, "undeclared_layout": undeclared_layout,
+             "export_plan": export_plan, "failure": failure}
+
+
+def main(argv) -> None:
+    checks = {}
+    for item in argv:  # SCENARIO or SCENARIO=ARG, several in one job
+        name, _, arg = item.partition("=")
+        found = SCENARIOS[name](*([arg] if arg else []))
+        checks.update({f"{name}: {k}": (v if v is True else str(v)) for k, v in found.items()})
+    print(json.dumps({"process": PROCESS, "checks": checks}), flush=True)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
