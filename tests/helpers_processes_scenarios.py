@@ -136,11 +136,11 @@ def export_plan(folder: str) -> dict:
     run on each device's rows, and the same program exported in process 0 and run by
     every process runs them on the same rows."""
     mesh = mesh_of(DEVICES)
-    x = values((ROWS, 16))
-    xs = global_array(x, mesh, P("d"))
+    x = values((ROWS, 2 * ROWS))  # (rows longer than the column: a vjp's own choice
+    xs = global_array(x, mesh, P("d"))  # of blocks would split them)
     g = jax.jit(jax.grad(lambda v: jnp.sum(jnp.sin(ops.RowNorm()(v)))))
     want = jax.grad(lambda v: jnp.sum(jnp.sin(ops.row_norm_ref(v))))(x)
-    rows = [("RowNorm", "forward", (2, 16)), ("RowNorm", "vjp", (2, 16))]
+    rows = [("RowNorm", "forward", (2, 2 * ROWS)), ("RowNorm", "vjp", (2, 2 * ROWS))]
     checks = {"jit: value": close(g(xs), want), "jit: rules saw": same(ops.seen(g, xs), rows)}
     path = os.path.join(folder, "grad.exported")
     if PROCESS == 0:
@@ -155,6 +155,75 @@ def export_plan(folder: str) -> dict:
     checks["export: rules saw"] = same(ops.seen(loaded.call, xs), rows)
     checks["export: layout"] = loaded.call(xs).sharding.spec == g(xs).sharding.spec or \
         f"{loaded.call(xs).sharding.spec} != {g(xs).sharding.spec}"
+    return checks
+
+
+def outputs_and_pytrees(folder: str) -> dict:
+    """An op with two results and one taking and returning dicts, on rows split over
+    every process: eager, jit, jit(grad), vmap, scan, shard_map, and jit(grad) exported
+    in process 0 and run by every process. Each rule call sees one device's rows."""
+    mesh = mesh_of(DEVICES)
+    x, y, w, c = values((ROWS, 6)), values((ROWS, 6), 1), values(ROWS, 2), values(ROWS, 3)
+    X, Y, W, C = (global_array(v, mesh, P("d")) for v in (x, y, w, c))
+    two, rows = ops.SinProd(), ops.RowAffine()
+
+    def loss_two(op):
+        return lambda a, b: jnp.sum(jnp.prod(jnp.stack(op(a, b)), axis=0))
+
+    def loss_rows(op):
+        return lambda a, w, c: jnp.sum(op(a, {"w": w, "c": c})["y"] ** 2)
+
+    def scanned(op):
+        return lambda a, b: jax.lax.scan(lambda carry, _: (op(carry, b)[0], None), a,
+                                         length=2)[0]
+
+    mapped = jax.shard_map(two, mesh=mesh, in_specs=(P("d"), P("d")),
+                           out_specs=(P("d"), P("d")))
+    programs = {  # name: (the program on global arrays, its jax.numpy twin on whole ones)
+        "two: eager": (lambda: two(X, Y), lambda: ops.sin_prod_ref(x, y)),
+        "two: jit": (lambda: jax.jit(two)(X, Y), lambda: ops.sin_prod_ref(x, y)),
+        "two: jit(grad)": (lambda: jax.jit(jax.grad(loss_two(two), (0, 1)))(X, Y),
+                           lambda: jax.grad(loss_two(ops.sin_prod_ref), (0, 1))(x, y)),
+        "two: vmap": (lambda: jax.jit(jax.vmap(two))(X, Y), lambda: ops.sin_prod_ref(x, y)),
+        "two: scan": (lambda: jax.jit(scanned(two))(X, Y),
+                      lambda: scanned(ops.sin_prod_ref)(x, y)),
+        "two: shard_map": (lambda: jax.jit(mapped)(X, Y), lambda: ops.sin_prod_ref(x, y)),
+        "dict: eager": (lambda: rows(X, {"w": W, "c": C}),
+                        lambda: ops.row_affine_ref(x, {"w": w, "c": c})),
+        "dict: jit(grad)": (lambda: jax.jit(jax.grad(loss_rows(rows), (0, 1, 2)))(X, W, C),
+                            lambda: jax.grad(loss_rows(ops.row_affine_ref), (0, 1, 2))(x, w, c)),
+        "dict: vmap": (  # over a new leading dim, the rows still split
+            lambda: jax.jit(jax.vmap(rows, in_axes=(0, None)))(
+                global_array(np.stack([x, 2 * x]), mesh, P(None, "d")), {"w": W, "c": C}),
+            lambda: jax.vmap(ops.row_affine_ref, in_axes=(0, None))(
+                np.stack([x, 2 * x]), {"w": w, "c": c})),
+    }
+    exported = {"two: exported jit(grad)": (jax.jit(jax.grad(loss_two(two), (0, 1))), (X, Y),
+                                            "two: jit(grad)"),
+                "dict: exported jit(grad)": (jax.jit(jax.grad(loss_rows(rows), (0, 1, 2))),
+                                             (X, W, C), "dict: jit(grad)")}
+    for name, (program, args, twin) in exported.items():
+        path = os.path.join(folder, name.replace(" ", "_").replace(":", "") + ".exported")
+        if PROCESS == 0:
+            with open(path + ".part", "wb") as file:
+                file.write(jax.export.export(program, disabled_checks=jd.disabled_checks())(
+                    *args).serialize())
+            os.replace(path + ".part", path)
+        multihost_utils.sync_global_devices(name)
+        with open(path, "rb") as file:
+            loaded = jax.export.deserialize(bytearray(file.read()))
+        programs[name] = ((lambda loaded=loaded, args=args: loaded.call(*args)),
+                          programs[twin][1])
+    checks = {}
+    for name, (program, twin) in programs.items():
+        ops.SEEN.clear()
+        got = jax.block_until_ready(program())
+        pairs = list(zip(jax.tree.leaves(got), jax.tree.leaves(twin())))
+        checks[f"{name}: value"] = all(close(g, t) is True for g, t in pairs) and \
+            bool(pairs) or [close(g, t) for g, t in pairs]
+        seen = sorted({shape for _, _, shape in ops.SEEN})  # a row (vmap) or two rows
+        checks[f"{name}: rules saw this process's rows"] = bool(seen) and all(
+            shape in ((2, 6), (6,)) for shape in seen) or f"saw {seen}"
     return checks
 
 
@@ -204,7 +273,8 @@ def failure(how: str) -> dict:
 
 
 SCENARIOS = {"eager_meshes": eager_meshes, "undeclared_layout": undeclared_layout,
-             "export_plan": export_plan, "failure": failure}
+             "export_plan": export_plan, "outputs_and_pytrees": outputs_and_pytrees,
+             "failure": failure}
 
 
 def main(argv) -> None:

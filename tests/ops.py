@@ -366,3 +366,48 @@ def seen(function, *args, **kwargs) -> list:
     SEEN.clear()
     jax.block_until_ready(function(*args, **kwargs))
     return sorted(set(SEEN))
+
+
+class SinProd(jd.Primitive, sharding="... n, ... n -> ... n, ... n"):
+    """(sin(x) * y, x + y): two results, declared elementwise."""
+
+    @jd.abstract
+    def shapes(self, x, y):
+        return same(x), same(x)
+
+    @jd.forward
+    def apply(self, x, y):
+        SEEN.append(("SinProd", "forward", x.shape))
+        return np.sin(x) * y, x + y
+
+    @jd.vjp
+    def pull(self, x, y, ct_prod, ct_sum):
+        SEEN.append(("SinProd", "vjp", x.shape))
+        return np.cos(x) * y * ct_prod + ct_sum, np.sin(x) * ct_prod + ct_sum
+
+
+def sin_prod_ref(x, y):
+    return jnp.sin(x) * y, x + y
+
+
+class RowAffine(jd.Primitive, sharding="b n, b -> b n"):
+    """{"y": x * p["w"][:, None] + p["c"][:, None]}: a dict input and output, by rows."""
+
+    @jd.abstract
+    def shapes(self, x, p):
+        return {"y": same(x)}
+
+    @jd.forward
+    def apply(self, x, p):
+        SEEN.append(("RowAffine", "forward", x.shape))
+        return {"y": x * p["w"][:, None] + p["c"][:, None]}
+
+    @jd.vjp
+    def pull(self, x, p, ct):
+        SEEN.append(("RowAffine", "vjp", x.shape))
+        y = ct["y"]
+        return y * p["w"][:, None], {"w": np.sum(y * x, axis=1), "c": np.sum(y, axis=1)}
+
+
+def row_affine_ref(x, p):
+    return {"y": x * p["w"][:, None] + p["c"][:, None]}

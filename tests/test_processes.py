@@ -44,7 +44,8 @@ def per_shard(tmp_path_factory):
     """The checks of the scenarios that run without errors, in one job."""
     scenarios = ["eager_meshes"]
     if SPLITS:
-        scenarios += ["undeclared_layout", f"export_plan={tmp_path_factory.mktemp('export')}"]
+        scenarios += ["undeclared_layout", f"export_plan={tmp_path_factory.mktemp('export')}",
+                      f"outputs_and_pytrees={tmp_path_factory.mktemp('outputs')}"]
     return _checks(*scenarios)
 
 
@@ -75,6 +76,13 @@ def test_an_exported_program_keeps_the_jit_programs_blocks_across_processes(per_
     """jit(grad) of an op with reduce= on split rows, and the same program exported in
     process 0 and run by every process: the same rows per rule call, no gather."""
     _passed(per_shard, "export_plan")
+
+
+@needs_split
+def test_ops_with_several_results_and_pytrees_across_processes(per_shard):
+    """Two results, and dicts in and out, declared by rows: eager, jit, jit(grad), vmap,
+    scan, shard_map and an exported jit(grad), each rule call on one device's rows."""
+    _passed(per_shard, "outputs_and_pytrees")
 
 
 def _failure(how):
