@@ -55,7 +55,7 @@ GRACE_SECONDS = float(os.environ.get("JAXDECL_FAILURE_GRACE_SECONDS", "10"))
 EXIT_STATUS = 1
 #: The key of the job's first failure in the key-value store.
 KEY = "jaxdecl/failure"
-_POLL_SECONDS = 0.2  # how often the watcher looks for a failure
+_WAIT_MS = 600_000  # one wait of the watcher (then it waits again)
 _MARGIN_SECONDS = 10  # process 0 waits for the others' leaving this long past the grace
 _LONGEST = 2000  # characters of an error that the key-value store carries
 
@@ -110,27 +110,42 @@ def report(error: str, eager: bool) -> None:
     job = _State.job
     if job is None or (eager and not _State.spanning):
         return
-    client, me, _ = job
+    client, me, count = job
     text = error if len(error) <= _LONGEST else error[:_LONGEST] + " ..."
     _State.own = text
     try:
         client.key_value_set(KEY, json.dumps({"process": me, "error": text}))
     except Exception:  # noqa: BLE001 - another failure came first (or the job is gone)
-        pass
+        return
+    for process in range(count):  # every watcher waits for its own key
+        try:
+            client.key_value_set(_wake(process), "failure")
+        except Exception:  # noqa: BLE001 - (that process is ending)
+            pass
+
+
+def _wake(process: int) -> str:
+    """The key process `process`'s watcher waits for: a failure, or its own process's end."""
+    return f"{KEY}/wake/{process}"
 
 
 def _watch(job) -> None:
     client, me, count = job
-    while True:  # polled, not a blocking wait: a thread in C++ at exit would abort Python
-        if _State.stopping:
-            return
+    while True:  # one long wait at a time: no load on the coordination service meanwhile
         try:
-            found = _failure(client)
-        except Exception:  # noqa: BLE001 - jax.distributed.shutdown(): nothing failed
-            return
-        if found is not None:
+            client.blocking_key_value_get(_wake(me), _WAIT_MS)
             break
-        time.sleep(_POLL_SECONDS)
+        except Exception as error:  # noqa: BLE001 - a timeout, or the job has ended
+            if "DEADLINE_EXCEEDED" not in str(error):
+                return  # jax.distributed.shutdown(): no failure, nothing to do
+    if _State.stopping:
+        return  # this process ends normally (_at_exit woke the watcher)
+    try:
+        found = _failure(client)
+    except Exception:  # noqa: BLE001 - the job has ended
+        return
+    if found is None:
+        return
     failed, error = found["process"], found["error"]
     if failed == me or _State.own is not None:
         time.sleep(GRACE_SECONDS)  # the main thread raises the rule's error, and ends
@@ -138,7 +153,7 @@ def _watch(job) -> None:
 
 
 def _failure(client):
-    """The job's published failure, or None."""
+    """The job's published failure, or None (a watcher woken by its own process's end)."""
     try:
         return json.loads(client.key_value_try_get(KEY))
     except Exception as error:
@@ -174,8 +189,12 @@ def _at_exit() -> None:
         found = None
     if found is not None:
         _end(_stops(found["process"], found["error"], me, count, at_exit=True))
-    if _State.watcher is not None:
-        _State.watcher.join(timeout=10 * _POLL_SECONDS)
+    # Woken, the watcher ends before Python does (a thread still in C++ then would abort it).
+    try:
+        client.key_value_set(_wake(me), "exit")
+    except Exception:  # noqa: BLE001 - jax.distributed.shutdown() ended its wait already
+        pass
+    _State.watcher.join(timeout=5)
 
 
 def _end(message) -> None:

@@ -57,10 +57,11 @@ def _program_mesh(ctx):
     context = ctx.module_context.axis_context
     if not isinstance(context, _compat.ShardingContext):
         # shard_map (manual axes): the rule already sees blocks
-        _spanning(getattr(getattr(context, "mesh", None), "size", 1))
+        mesh = getattr(context, "mesh", None)
+        _spanning(getattr(mesh, "devices", None), getattr(mesh, "size", 1))
         return None, 1
     devices = len(context.device_assignment or ())
-    _spanning(devices)
+    _spanning(context.device_assignment, devices)
     mesh = context.abstract_mesh
     if mesh is None or mesh.empty:
         mesh = mesh_of(ctx.avals_in)
@@ -69,10 +70,17 @@ def _program_mesh(ctx):
     return mesh, devices
 
 
-def _spanning(devices: int) -> None:
-    """A program on more devices than this process has spans processes: from now on
-    a rule that fails in this process ends the job (:mod:`jaxdecl._host.processes`)."""
-    if devices > jax.local_device_count():
+def _spanning(devices, count: int) -> None:
+    """A program on `devices` (or, where unknown, on `count` devices, more than this
+    process has) spans processes: from now on a rule that fails in this process ends
+    the job (:mod:`jaxdecl._host.processes`)."""
+    if jax.process_count() == 1:
+        return
+    if devices is not None:
+        me = jax.process_index()
+        if any(getattr(d, "process_index", me) != me for d in np.ravel(devices)):
+            _processes.join()
+    elif count > jax.local_device_count():
         _processes.join()
 
 
