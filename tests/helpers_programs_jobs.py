@@ -56,6 +56,7 @@ import helpers_programs  # noqa: E402
 from helpers_programs_draw import Geometry  # noqa: E402
 
 import jaxdecl as jd  # noqa: E402
+from jaxdecl import _compat  # noqa: E402
 from jaxdecl._host import kernels as _kernels  # noqa: E402
 
 GEOMETRY = Geometry(_processes, jax.local_device_count() if JOB else _local)
@@ -87,6 +88,10 @@ def place(value, mesh, spec):
     return jax.make_array_from_process_local_data(sharding, value[box], value.shape)
 
 
+class ExportFailed(RuntimeError):
+    """Process 0 could not export the program: its error's text, in every process."""
+
+
 def exported_call(seed: int, folder: str):
     """``call(function, *args)`` that process 0 exports and every process loads and runs."""
     def call(function, *args):
@@ -100,12 +105,13 @@ def exported_call(seed: int, folder: str):
             with open(path + ".part", "wb") as file:
                 file.write(data)
             os.replace(path + ".part", path)
-        if JOB is not None:
-            multihost_utils.sync_global_devices(f"exported {seed}")
+        if JOB is not None:  # (its collective outside the program's mesh: JAX 0.6 mixes them)
+            with _compat.outside_context_mesh():
+                multihost_utils.sync_global_devices(f"exported {seed}")
         with open(path, "rb") as file:
             data = file.read()
         if data.startswith(b"error: "):
-            raise RuntimeError(f"process 0 could not export the program: {data[7:].decode()}")
+            raise ExportFailed(data[7:].decode())
         return jax.export.deserialize(bytearray(data)).call(*args)
 
     return call
@@ -124,6 +130,10 @@ def _run(seed: int, hooks: dict) -> tuple:
         result, detail = helpers_programs.outcome(seed, geometry=GEOMETRY, hooks=hooks)
     except Exception as error:  # noqa: BLE001 - a bug of the generator: say so
         result, detail = "error", f"the draw itself failed: {helpers_programs._describe(error)}"
+    failed = f"{ExportFailed.__name__}: "
+    if result == "error" and detail.startswith(failed) and \
+            helpers_programs._refusal(detail[len(failed):]):
+        result = "refused"  # (export met the documented refusal the program meets)
     return result, detail[:2000], _seen()
 
 

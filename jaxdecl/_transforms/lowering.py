@@ -58,7 +58,8 @@ def _program_mesh(ctx):
     if not isinstance(context, _compat.ShardingContext):
         # shard_map (manual axes): the rule already sees blocks
         mesh = getattr(context, "mesh", None)
-        _spanning(getattr(mesh, "devices", None), getattr(mesh, "size", 1))
+        _spanning(mesh.devices if isinstance(mesh, jax.sharding.Mesh) else None,
+                  getattr(mesh, "size", 1))
         return None, 1
     devices = len(context.device_assignment or ())
     _spanning(context.device_assignment, devices)
