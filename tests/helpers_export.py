@@ -8,6 +8,7 @@
     python helpers_export.py load-saved DIR 1   # load, of what another jaxdecl saved: where
                                                 # this JAX can (see load_saved)
     python helpers_export.py load-saved-executables DIR 1   # its executables (same jaxlib)
+    python helpers_export.py plan DIR 8         # the blocks rules run on, jit and exported
 
 Prints ``{"checks": {...}}`` as its last line (see conftest.run_helper).
 """
@@ -170,6 +171,26 @@ def cache():
     return {"hits": len(hits), "right": close(got, reference("grad", *args))}
 
 
+def plan():
+    """jit(grad) of an op with reduce= on rows split over every device, and the same
+    program exported and called again: what each of its rules ran on, and the layout of
+    the gradient."""
+    import ops
+
+    x = np.linspace(0.5, 1.5, 16 * DEVICES).reshape(DEVICES, 16)
+    xs = jax.device_put(x, jax.NamedSharding(MESH, jax.P("d")))
+    g = jax.jit(jax.grad(lambda v: jnp.sum(jnp.sin(ops.RowNorm()(v)))))
+    want = jax.grad(lambda v: jnp.sum(jnp.sin(ops.row_norm_ref(v))))(x)
+    exported = jax.export.export(g, disabled_checks=jd.disabled_checks())(xs)
+    loaded = jax.export.deserialize(exported.serialize())
+    checks = {}
+    for name, f in (("jit", g), ("exported", loaded.call)):
+        checks[f"{name}: value"] = close(f(xs), want)
+        checks[f"{name}: rules saw"] = [list(c) for c in ops.seen(f, xs)]
+        checks[f"{name}: layout"] = str(f(xs).sharding.spec)
+    return checks
+
+
 if __name__ == "__main__":
     MESH = None
     if DEVICES > 1:
@@ -177,7 +198,7 @@ if __name__ == "__main__":
         MESH = jax.make_mesh((DEVICES,), ("d",), axis_types=(kind,))
     run = {"save": save, "load": load, "load-saved": load_saved,
            "load-saved-executables": load_saved_executables, "bare": bare,
-           "cache": cache}[MODE]
+           "cache": cache, "plan": plan}[MODE]
     if EXPLICIT:  # Explicit axes: the types carry the shardings, under the mesh
         with jax.set_mesh(MESH):
             result = run()

@@ -44,10 +44,12 @@ def _option(argv, name):
     return argv[argv.index(name) + 1] if name in argv else None
 
 
-# Must precede the first import of jax: 4 devices, or 2 in each of two processes.
+# Must precede the first import of jax: 4 devices, or 2 in each of two processes (a
+# module importing this one has set them itself: helpers_programs_jobs.py).
 _PROCESS = _option(sys.argv, "--process")
-os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count="
-                           f"{4 if _PROCESS is None else 2}")
+if __name__ == "__main__":
+    os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count="
+                               f"{4 if _PROCESS is None else 2}")
 
 import jax  # noqa: E402
 
@@ -57,7 +59,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TESTS)
 
 import helpers_programs_ops as ops_module  # noqa: E402
-from helpers_programs_draw import draw  # noqa: E402
+from helpers_programs_draw import TWO_BY_TWO, draw  # noqa: E402
 
 #: A documented refusal names the JAX the program needs; from that version on it is an error.
 REFUSAL = re.compile(r"needs JAX >= (\d+)\.(\d+)")
@@ -80,11 +82,14 @@ def _run(program, ops):
     return out
 
 
-def outcome(seed: int, verbose: bool = False, twin_done=lambda: None) -> tuple:
-    """(outcome, detail) of draw `seed`; `verbose` prints tracebacks as they happen;
-    `twin_done` is called between the twin's run and the program's."""
-    drawn = draw(seed)
-    namespace = dict(vars(ops_module))
+def outcome(seed: int, verbose: bool = False, twin_done=lambda: None,
+            geometry=TWO_BY_TWO, hooks=None) -> tuple:
+    """(outcome, detail) of draw `seed` (over `geometry`'s devices); `verbose` prints
+    tracebacks as they happen; `twin_done` is called between the twin's run and the
+    program's; `hooks` replace names the program uses (``call(function, *args)``, which
+    runs the transformed program, and ``place``) in the program's run, not the twin's."""
+    drawn = draw(seed, geometry)
+    namespace = dict(vars(ops_module), call=lambda function, *args: function(*args))
     exec(compile(drawn.source, f"<program {seed}>", "exec"), namespace)
     program = namespace["run"]
     with warnings.catch_warnings():
@@ -99,6 +104,7 @@ def outcome(seed: int, verbose: bool = False, twin_done=lambda: None) -> tuple:
         if ops_module.out_of_range(expected):
             return "skip", "the twin's values overflow: no meaningful comparison"
         twin_done()
+        namespace.update(hooks or {})
         try:
             out = _run(program, ops_module.OPS)
             problems = ops_module.compare(out, expected, specs=drawn.specs, rtol=drawn.rtol,

@@ -47,6 +47,50 @@ GROUPS = ("auto-1d", "auto-2d", "explicit-1d", "explicit-2d", "processes")
 AXES = {"1d": {"d": 4}, "2d": {"x": 2, "y": 2}}
 SHAPES = ((8,), (8, 4), (4, 8), (8, 6))
 BATCH, STEPS = 4, 3  # the size of a vmap batch, the length of a scan
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """The devices a draw's mesh spans: `processes` x `local` devices (4 by default).
+
+    On more devices every size grows with them: the meshes (``AXES``: "d" over every
+    device; "x" over half of them, "y" over 2), the inputs' dims (``SHAPES``) and a vmap
+    batch (as large as the largest mesh axis), so that the same draws split as they do
+    on 4.
+
+        >>> Geometry(4, 2).axes["2d"], Geometry(4, 2).shapes[1], Geometry(4, 2).batch
+        ({'x': 4, 'y': 2}, (16, 8), 8)
+    """
+
+    processes: int = 1
+    local: int = 4
+
+    @property
+    def devices(self) -> int:
+        return self.processes * self.local
+
+    @property
+    def default(self) -> bool:
+        return self.devices == 4
+
+    @property
+    def axes(self) -> dict:
+        if self.default:
+            return AXES
+        return {"1d": {"d": self.devices}, "2d": {"x": self.devices // 2, "y": 2}}
+
+    @property
+    def shapes(self) -> tuple:
+        scale = max(self.devices // 4, 1)
+        return tuple(tuple(n * scale for n in shape) for shape in SHAPES)
+
+    @property
+    def batch(self) -> int:
+        return max(BATCH, *(max(axes.values()) for axes in self.axes.values()))
+
+
+#: The geometry of the "processes" group: 2 processes of 2 devices each.
+TWO_BY_TWO = Geometry(2, 2)
 CARRY_TRIES = 100  # draws of the inputs until the op a scan's carry takes fits them
 TRANSFORMS = {"jit": 20, "grad": 14, "vmap": 14, "shard_map": 10, "jvp": 8, "vjp": 8,
               "scan": 8, "linearize": 7, "checkpoint": 6}
@@ -84,6 +128,7 @@ class Draw:
     #: follow, and JAX's own ops disagree on its type (``mul`` leaves it split like the
     #: other operand, ``broadcast_in_dim``'s transpose makes it whole).
     untyped: tuple = ()
+    geometry: Geometry = Geometry()  # the devices its mesh spans
 
     def script(self, tests_dir: str) -> str:
         """A standalone script: runs the program, then its twin, and prints how they differ."""
@@ -280,6 +325,7 @@ class _Draft:
     in_axes: dict = dataclasses.field(default_factory=dict)  # vmap layer -> batched inputs
     manual: tuple = ()  # the manual axes of a shard_map
     steps: int = STEPS
+    geometry: Geometry = Geometry()
 
     @property
     def explicit(self) -> bool:
@@ -287,7 +333,7 @@ class _Draft:
 
     @property
     def axes(self) -> dict:
-        return AXES[self.mesh_name]
+        return self.geometry.axes[self.mesh_name]
 
     def full_shape(self, i: int) -> tuple:
         return tuple(s for s, _, _ in self.lead[i]) + _base_shape(self.inputs[i].kind,
@@ -301,17 +347,19 @@ class _Draft:
         return render_spec([e for _, e, _ in self.lead[i]] + self.base[i])
 
 
-def draw(seed: int) -> Draw:
-    """Draw number `seed` (the same program for the same seed, in any process)."""
+def draw(seed: int, geometry: Geometry = TWO_BY_TWO) -> Draw:
+    """Draw number `seed` (the same program for the same seed, in any process); a draw of
+    the "processes" group over `geometry`'s processes and devices."""
     rnd = random.Random(seed)
     group = group_of(seed)
-    processes = 2 if group == "processes" else 1
+    geometry = geometry if group == "processes" else Geometry()
+    processes = geometry.processes
     if processes > 1:  # 2 processes x 2 devices (jax.distributed), either mesh and axis type
         axis_type, mesh_name = rnd.choice(("auto", "explicit")), rnd.choice(("1d", "2d"))
     else:
         axis_type, mesh_name = group.split("-")
     d = _Draft(seed, rnd, group, processes, axis_type, mesh_name,
-               {f"group:{group}", f"mesh:{axis_type}-{mesh_name}"})
+               {f"group:{group}", f"mesh:{axis_type}-{mesh_name}"}, geometry=geometry)
     d.set_mesh = rnd.random() < (0.9 if d.explicit else 0.3)
     d.features.add("set_mesh" if d.set_mesh else "no_set_mesh")
     _draw_program(d)
@@ -339,7 +387,7 @@ def draw(seed: int) -> Draw:
     untyped = tuple(d.full_shape(i) for i in range(len(d.inputs))
                     if d.modes[i] == "unsharded")
     return Draw(seed, group, "\n".join(lines), summary, specs, rtol, processes,
-                frozenset(d.features), untyped)
+                frozenset(d.features), untyped, geometry)
 
 
 def _draw_program(d: _Draft) -> None:
@@ -375,7 +423,7 @@ def _draw_program(d: _Draft) -> None:
 def _draw_inputs(d: _Draft) -> None:
     """The base shape, the spec most inputs share, and the inputs."""
     rnd = d.rnd
-    d.shape = rnd.choice(SHAPES)
+    d.shape = rnd.choice(d.geometry.shapes)
     d.aligned = _spec(rnd, d.shape, d.axes)
     last_dims = {"full": d.aligned[-1], "last": d.aligned[-1], "first": d.aligned[0]}
     # the kinds of values whose last dim CumSum may need whole (under Explicit axes
@@ -443,7 +491,7 @@ def _draw_leading_dims(d: _Draft) -> None:
                 entries = [None] * n  # JAX: vmapped inputs' batch dims split the same way
             for i in range(n):
                 if batched[i]:
-                    d.lead[i].insert(0, (BATCH, entries[i], index))
+                    d.lead[i].insert(0, (d.geometry.batch, entries[i], index))
         elif d.layers[index] == "scan":
             for i in range(1, n):
                 d.lead[i].insert(0, (STEPS, None, index))

@@ -15,19 +15,21 @@ PROCESS_PORT = 12355  # where the processes of a standalone "processes" script m
 
 def script(drawn, tests_dir: str) -> str:
     """A standalone script of a ``Draw``: it runs the program, then its twin, and prints
-    how they differ; a "processes" draw runs as two processes (``python FILE 0 & python
+    how they differ; a "processes" draw runs as its processes (``python FILE 0 & python
     FILE 1``)."""
-    start = "" if drawn.processes == 1 else _PROCESSES.format(port=PROCESS_PORT)
+    count = drawn.processes
+    start = "" if count == 1 else _PROCESSES.format(port=PROCESS_PORT, count=count)
     return _SCRIPT.format(
         seed=drawn.seed, summary=drawn.summary, tests_dir=tests_dir, source=drawn.source,
         specs=drawn.specs, rtol=drawn.rtol, untyped=drawn.untyped,
-        devices=4 // drawn.processes, start=start,
-        how="" if drawn.processes == 1 else
-        "\n\nRun it as two processes: `python FILE 0 & python FILE 1`.")
+        devices=drawn.geometry.local, start=start,
+        how="" if count == 1 else
+        f"\n\nRun it as {count} processes: "
+        + " & ".join(f"`python FILE {i}`" for i in range(count)) + ".")
 
 
 _PROCESSES = '''jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize("127.0.0.1:{port}", num_processes=2, process_id=int(sys.argv[1]))
+jax.distributed.initialize("127.0.0.1:{port}", num_processes={count}, process_id=int(sys.argv[1]))
 '''
 
 _SCRIPT = '''"""Generated program {seed}: {summary}{how}"""
@@ -40,6 +42,10 @@ import jax
 jax.config.update("jax_enable_x64", True)
 {start}sys.path.insert(0, {tests_dir!r})
 from helpers_programs_ops import *  # noqa: E402,F403  the ops, their twins, helpers
+
+
+def call(function, *args):
+    return function(*args)
 
 
 {source}
@@ -66,7 +72,7 @@ def render(d) -> tuple:
     used = sorted(set(program.used))
     lines = ["def run(ops):", f'    """{d.group}, seed {d.seed}."""',
              f"    {', '.join(used)} = {', '.join(f'ops.{op}' for op in used)}",
-             f'    mesh = make_mesh("{d.mesh_name}", "{d.axis_type.title()}")',
+             f"    mesh = {_mesh(d)}",
              f"    rng = np.random.default_rng({d.seed})"]
     for i, value in enumerate(d.inputs):
         spec = d.spec_text(i).replace("unsharded", "None")
@@ -87,12 +93,21 @@ def render(d) -> tuple:
             lines += _layer(layer, name, inner, d.inputs, d.in_axes.get(index), d.steps)
         chain = f"{_LABELS[layer]}({chain})"
         inner = name
-    call = f"{inner}({args})"
+    call = f"call({inner}, {args})"  # (call: the harness may export it first)
     if d.set_mesh:
         lines += ["    with set_mesh(mesh):", f"        return {call}"]
     else:
         lines.append(f"    return {call}")
     return lines, chain
+
+
+def _mesh(d) -> str:
+    """The mesh of a draft: ``make_mesh`` of its name on 4 devices, spelled out on others."""
+    if d.geometry.default:
+        return f'make_mesh("{d.mesh_name}", "{d.axis_type.title()}")'
+    kind = f"AxisType.{d.axis_type.title()}"
+    return (f"jax.make_mesh({tuple(d.axes.values())}, {tuple(d.axes)}, "
+            f"axis_types=({', '.join([kind] * len(d.axes))},))")
 
 
 def _shard_map(d, index: int, name: str, inner: str) -> str:

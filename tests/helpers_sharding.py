@@ -458,6 +458,48 @@ def undeclared_scan() -> dict:
     return checks
 
 
+def undeclared_auto() -> dict:
+    """jit over Auto axes, 8 devices: an undeclared op's result is laid out like its input
+    (as eagerly and over Explicit axes), so the declared op after it runs per shard; the
+    compiled program gathers the undeclared op's input and nothing else."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import ops
+
+    checks = {}
+    n = jax.device_count()
+    x = _rng_array((2 * n, 6), "float64")
+    meshes = {"1d": (jax.make_mesh((n,), ("d",), axis_types=(AxisType.Auto,)), P("d")),
+              "2d": (jax.make_mesh((n // 2, 2), ("x", "y"), axis_types=(AxisType.Auto,) * 2),
+                     P(("x", "y")))}
+    for mesh_name, (mesh, spec) in meshes.items():
+        xs = jax.device_put(x, NamedSharding(mesh, spec))
+        programs = {
+            "alone": (lambda v: ops.Softsign()(v), ops.softsign_ref, 1),
+            "then declared": (lambda v: ops.Cube()(ops.Softsign()(v)),
+                              lambda v: ops.cube_ref(ops.softsign_ref(v)), 1),
+            "plus its input": (lambda v: ops.Softsign()(v) + v,
+                               lambda v: ops.softsign_ref(v) + v, 1),
+            "vmapped": (jax.vmap(ops.Softsign()), ops.softsign_ref, 0),
+        }
+        for name, (program, ref, gathers) in programs.items():
+            key = f"{mesh_name} {name}"
+            f = jax.jit(program)
+            hlo = f.lower(xs).compile().as_text()
+            y = f(xs)
+            checks[f"{key}: value"] = _close(y, ref(x))
+            got = tuple(y.sharding.spec) + (None,) * (2 - len(y.sharding.spec))
+            checks[f"{key}: laid out like its input"] = \
+                got == tuple(spec) + (None,) or f"result {y.sharding.spec}"
+            checks[f"{key}: gathers"] = hlo.count("all-gather(") == gathers or \
+                f"{hlo.count('all-gather(')} all-gathers"
+            seen = ops.seen(f, xs)
+            if name == "then declared":
+                checks[f"{key}: the declared op ran per shard"] = \
+                    ("Cube", "forward", (2, 6)) in seen and \
+                    ("Cube", "forward", (2 * n, 6)) not in seen or f"rules saw {seen}"
+    return checks
+
+
 def processes(port: str, process_id: str) -> dict:
     """One of two processes (2 devices each) sharing a 4-device mesh via jax.distributed."""
     process_id = int(process_id)
@@ -568,7 +610,8 @@ class _nothing:
 
 
 SCENARIOS = {"automatic": automatic, "explicit": explicit, "undeclared_scan": undeclared_scan,
-             "processes": processes, "partly_linear": partly_linear}
+             "undeclared_auto": undeclared_auto, "processes": processes,
+             "partly_linear": partly_linear}
 
 
 def main(argv) -> None:

@@ -280,3 +280,134 @@ class FlipMul(jd.Primitive, multilinear=True):
 
 def flip_mul_ref(x, y):
     return x * jnp.flip(y)
+
+
+# ---------------------------------------------------------------------------------------
+# Ops that record the shape of every rule call: what each device (each process) ran on
+# ---------------------------------------------------------------------------------------
+
+#: ``(class, rule, shape of the first operand)`` of every rule call of the ops below.
+SEEN: list = []
+
+
+class RowNorm(jd.Primitive, sharding="b n -> b", reduce=("n",)):
+    """The squared norm of each row: rows independent, ``n`` summed over."""
+
+    @jd.abstract
+    def shapes(self, x):
+        return jax.ShapeDtypeStruct(x.shape[:1], x.dtype)
+
+    @jd.forward
+    def apply(self, x):
+        SEEN.append(("RowNorm", "forward", x.shape))
+        return (x * x).sum(axis=-1)
+
+    @jd.jvp
+    def push(self, x, dx):
+        SEEN.append(("RowNorm", "jvp", x.shape))
+        return 2 * (x * dx).sum(axis=-1)
+
+    @jd.vjp
+    def pull(self, x, ct):
+        SEEN.append(("RowNorm", "vjp", x.shape))
+        return 2 * x * ct[:, None]
+
+
+def row_norm_ref(x):
+    return jnp.sum(x * x, axis=-1)
+
+
+class Softsign(jd.Primitive):
+    """x / (1 + |x|), with no sharding declaration (its rules see whole arrays)."""
+
+    @jd.abstract
+    def shapes(self, x):
+        return same(x)
+
+    @jd.forward
+    def apply(self, x):
+        SEEN.append(("Softsign", "forward", x.shape))
+        return x / (1 + np.abs(x))
+
+    @jd.vjp
+    def pull(self, x, ct):
+        SEEN.append(("Softsign", "vjp", x.shape))
+        return ct / (1 + np.abs(x)) ** 2
+
+
+def softsign_ref(x):
+    return x / (1 + jnp.abs(x))
+
+
+class Cube(jd.Primitive, sharding="... n -> ... n"):
+    """x³, declared elementwise."""
+
+    @jd.abstract
+    def shapes(self, x):
+        return same(x)
+
+    @jd.forward
+    def apply(self, x):
+        SEEN.append(("Cube", "forward", x.shape))
+        return x ** 3
+
+    @jd.vjp
+    def pull(self, x, ct):
+        SEEN.append(("Cube", "vjp", x.shape))
+        return 3 * x ** 2 * ct
+
+
+def cube_ref(x):
+    return x ** 3
+
+
+def seen(function, *args, **kwargs) -> list:
+    """Runs `function` (blocking) and returns the sorted distinct SEEN entries of the run."""
+    SEEN.clear()
+    jax.block_until_ready(function(*args, **kwargs))
+    return sorted(set(SEEN))
+
+
+class SinProd(jd.Primitive, sharding="... n, ... n -> ... n, ... n"):
+    """(sin(x) * y, x + y): two results, declared elementwise."""
+
+    @jd.abstract
+    def shapes(self, x, y):
+        return same(x), same(x)
+
+    @jd.forward
+    def apply(self, x, y):
+        SEEN.append(("SinProd", "forward", x.shape))
+        return np.sin(x) * y, x + y
+
+    @jd.vjp
+    def pull(self, x, y, ct_prod, ct_sum):
+        SEEN.append(("SinProd", "vjp", x.shape))
+        return np.cos(x) * y * ct_prod + ct_sum, np.sin(x) * ct_prod + ct_sum
+
+
+def sin_prod_ref(x, y):
+    return jnp.sin(x) * y, x + y
+
+
+class RowAffine(jd.Primitive, sharding="b n, b -> b n"):
+    """{"y": x * p["w"][:, None] + p["c"][:, None]}: a dict input and output, by rows."""
+
+    @jd.abstract
+    def shapes(self, x, p):
+        return {"y": same(x)}
+
+    @jd.forward
+    def apply(self, x, p):
+        SEEN.append(("RowAffine", "forward", x.shape))
+        return {"y": x * p["w"][:, None] + p["c"][:, None]}
+
+    @jd.vjp
+    def pull(self, x, p, ct):
+        SEEN.append(("RowAffine", "vjp", x.shape))
+        y = ct["y"]
+        return y * p["w"][:, None], {"w": np.sum(y * x, axis=1), "c": np.sum(y, axis=1)}
+
+
+def row_affine_ref(x, p):
+    return {"y": x * p["w"][:, None] + p["c"][:, None]}

@@ -52,6 +52,19 @@ def test_saved_programs_run_in_a_fresh_process(tmp_path, devices):
         assert checks[f"exported_{name}_devices"] == [int(str(devices)[0])], name
 
 
+@needs_split
+def test_an_exported_program_runs_its_rules_on_the_jit_programs_blocks(tmp_path):
+    """An op with reduce= on rows split over 8 devices: under jit(grad) its forward and
+    vjp run on each device's row; exported and called again they run on the same rows
+    (not on a slice of every row, gathered from the other devices)."""
+    checks = _helper("plan", tmp_path, 8)
+    rows = [["RowNorm", "forward", [1, 16]], ["RowNorm", "vjp", [1, 16]]]
+    for name in ("jit", "exported"):
+        assert checks[f"{name}: value"] is True, name
+        assert checks[f"{name}: rules saw"] == rows, (name, checks[f"{name}: rules saw"])
+        assert checks[f"{name}: layout"] == "P('d',)", (name, checks[f"{name}: layout"])
+
+
 def test_programs_saved_before_the_rooms_still_load():
     """Programs saved by the flat layout (jaxdecl._runtime a module; jax 0.10.2) load and
     run: their artifacts where this JAX reads them, their executables on that jaxlib."""

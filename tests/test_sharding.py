@@ -158,6 +158,17 @@ def test_an_undeclared_op_types_its_result_like_its_operand_in_a_scan():
 
 
 @needs_split
+def test_an_undeclared_result_is_laid_out_like_its_input_under_jit_on_auto_axes():
+    """jit over Auto axes (8 devices, 1-D and 2-D meshes): an op without a declaration
+    returns its result laid out like its input, as eagerly and over Explicit axes, so
+    the declared op after it runs on each device's rows; only its input is gathered."""
+    checks = run_helper([sys.executable, HELPER, "undeclared_auto"], JAXDECL_TEST_DEVICES="8")
+    failed = {name: value for name, value in checks.items() if value is not True}
+    assert not failed, failed
+    assert len(checks) == 2 * (4 * 3 + 1)
+
+
+@needs_split
 def test_two_processes():
     """A 4-device mesh over 2 processes (jax.distributed, gloo): each runs its own shards."""
     outputs = run_two_processes([sys.executable, HELPER, "processes"],
@@ -664,9 +675,9 @@ def _factors(operands, results, replicate=(), sizes=None):
     (_factors(((),), ((),)), False, 0),  # 0-d
 ])
 def test_split_rank_takes_only_elementwise_equations(factors, looped, rank):
-    from jaxdecl._sharded import plan as _plan
+    from jaxdecl._sharded import shardy as _shardy
 
-    assert _plan.split_rank(factors, 4, looped) == rank
+    assert _shardy.split_rank(factors, 4, looped) == rank
 
 
 class _Twice(jd.Primitive, sharding="b n -> b n"):

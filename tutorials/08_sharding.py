@@ -1,12 +1,19 @@
 """Sharding.
 
 Declare once how an op splits (``sharding=``, ``replicate=``, ``reduce=``) and
-it runs per shard under ``jit``, with gradients, inside ``shard_map`` and with
-explicit mesh axes; XLA gathers nothing. Runs on 4 host CPU devices, which it
-asks XLA for below (before JAX is imported).
+it runs per shard under ``jit``, with gradients, inside ``shard_map``, with
+explicit mesh axes and across processes; XLA gathers nothing. Runs on 4 host CPU
+devices, which it asks XLA for below (before JAX is imported); its last part
+starts the script again as two processes of 2 devices each (``jax.distributed``).
 """
 
 import os
+import socket
+import subprocess
+import sys
+
+#: Set when this script runs as one of the two processes of part 5: "PORT,INDEX".
+JOB = os.environ.get("TUTORIAL_JOB")
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -15,6 +22,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -86,6 +94,44 @@ def seen(function, *args):
     jax.block_until_ready(function(*args))
     return sorted(set(SEEN))
 
+
+def job_process(port: int, index: int) -> None:
+    """Part 5, in each of the two processes: global arrays over the 4 devices of both, each
+    process giving its own rows, and the same ops, each process running its own shards."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=index)
+    me = f"process {index}"
+    print(f"{me}: devices {[d.id for d in jax.local_devices()]} of {jax.device_count()}")
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(AxisType.Auto,))
+    rng = np.random.default_rng(0)  # the same x in both; each process hands over its rows
+    x = rng.standard_normal((8, 16)) + 1j * rng.standard_normal((8, 16))
+    mine = slice(4 * index, 4 * index + 4)
+    xs = jax.make_array_from_process_local_data(NamedSharding(mesh, P("d")), x[mine], x.shape)
+    fft = jax.jit(RowFFT())
+    print(f"{me}: jit rule saw {seen(fft, xs)}, of rows {mine.start}-{mine.stop - 1}")
+    whole = multihost_utils.process_allgather(fft(xs), tiled=True)  # (for the check only)
+    np.testing.assert_allclose(whole, np.fft.fft(x), rtol=1e-12, atol=1e-12)
+    energy = jax.jit(jax.grad(lambda u: jnp.sum(jnp.abs(RowFFT()(u)) ** 2)))
+    print(f"{me}: grad rule saw {seen(energy, xs)}")
+    np.testing.assert_allclose(multihost_utils.process_allgather(energy(xs), tiled=True),
+                               2 * 16 * np.conj(x), rtol=1e-12)
+    print(f"{me}: eager rule saw {seen(RowFFT(), xs)}")  # eager calls on global arrays too
+    # A contraction split across the processes: each multiplies its columns, jaxdecl sums.
+    a, v = rng.standard_normal((8, 12)), rng.standard_normal(12)
+    cols = slice(6 * index, 6 * index + 6)
+    A = jax.make_array_from_process_local_data(NamedSharding(mesh, P(None, "d")), a[:, cols],
+                                               a.shape)
+    V = jax.make_array_from_process_local_data(NamedSharding(mesh, P("d")), v[cols], v.shape)
+    mv = jax.jit(MatVec())
+    print(f"{me}: matvec rule saw {seen(mv, A, V)}")
+    np.testing.assert_allclose(multihost_utils.process_allgather(mv(A, V), tiled=True), a @ v,
+                               rtol=1e-12)
+    jax.distributed.shutdown()
+
+
+if JOB is not None:  # one of part 5's two processes: only that part
+    job_process(*(int(v) for v in JOB.split(",")))
+    sys.exit()
 
 n = jax.device_count()
 print("devices        :", n)
@@ -162,16 +208,27 @@ with jax.set_mesh(explicit):
     assert type(refused).__name__ == "ShardingTypeError", refused
     print("type error     :", type(refused).__name__, "-", str(refused)[:150], "...")
 
-# 5. Many processes (jax.distributed): the same op on a global array spread over processes,
-# each process running the rule on its own shards. On one machine, two processes of 2 CPU
-# devices each (tests/test_sharding.py::test_two_processes runs exactly this):
-#
-#     # process i of 2, started as: XLA_FLAGS=--xla_force_host_platform_device_count=2 \
-#     #                             python script.py i
-#     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-#     jax.distributed.initialize("127.0.0.1:PORT", num_processes=2, process_id=i)
-#     mesh = jax.make_mesh((4,), ("d",), axis_types=(AxisType.Auto,))
-#     xs = jax.make_array_from_process_local_data(NamedSharding(mesh, P("d")), local_rows,
-#                                                 (8, 16))
-#     y = jax.jit(RowFFT())(xs)    # each process transforms its own 4 rows
+# 5. Many processes (jax.distributed): one process per host, each holding its devices' blocks
+# of global arrays and running the rules on them. Here two processes of 2 CPU devices each
+# play two hosts: this script starts itself twice (job_process above is what each runs),
+# meeting at a free port on 127.0.0.1. On a cluster, SLURM or mpirun start the processes
+# (docs: "Running on a cluster").
+with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+children = [subprocess.Popen(
+    [sys.executable, os.path.abspath(__file__)], stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT, text=True,
+    env=dict(os.environ, TUTORIAL_JOB=f"{port},{i}",
+             XLA_FLAGS="--xla_force_host_platform_device_count=2")) for i in range(2)]
+try:
+    outputs = [child.communicate(timeout=300)[0] for child in children]
+finally:
+    for child in children:
+        if child.poll() is None:
+            child.kill()
+for child, output in zip(children, outputs):
+    print("".join(line + "\n" for line in output.splitlines() if line.startswith("process")),
+          end="")
+    assert child.returncode == 0, output[-3000:]
 print("all results match jax.numpy")

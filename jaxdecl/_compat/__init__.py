@@ -78,6 +78,7 @@ from .sharding import (  # noqa: F401
     all_axes_manual,
     context_mesh,
     custom_partitioning,
+    distributed_job,
     has_explicit_axes,
     insert_reshards,
     outside_context_mesh,

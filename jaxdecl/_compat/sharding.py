@@ -161,3 +161,16 @@ def outside_context_mesh():
         return
     with use_concrete(empty), mesh_lib.use_abstract_mesh(mesh_lib.empty_abstract_mesh):
         yield
+
+
+def distributed_job():
+    """``(client, process index, process count)`` of the ``jax.distributed`` job this
+    process belongs to, or None (not initialized, or one process): the client's
+    key-value store is the job's, shared by every process."""
+    from jax._src import distributed
+
+    state = distributed.global_state
+    if state.client is None or (state.num_processes or 1) <= 1:
+        return None
+    return state.client, state.process_id, state.num_processes
+

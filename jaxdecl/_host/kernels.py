@@ -47,6 +47,7 @@ from .._errors import BufferEscapeError, RuleError
 from .._spec.cfunction import CFunction
 from .._spec.rule_io import RuleIO
 from . import failures as _failures
+from . import processes as _processes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,7 +307,10 @@ def _failure_report(context: str, io: RuleIO, zero_copy: bool):
             tb = tb.tb_next
         exc.__traceback__ = tb
         _failures.detach_views(exc, ins + outs)
-        return _errors.stash(_failures.explain(exc, context), context, keep=eager)
+        error = _failures.explain(exc, context)
+        _processes.report(f"{context} raised {type(error).__qualname__}: "
+                          f"{_errors.describe(error)}", eager)
+        return _errors.stash(error, context, keep=eager)
 
     return fail
 
@@ -331,6 +335,7 @@ def _escape_report(context: str, io: RuleIO):
             f"XLA's buffer, which XLA frees or reuses after the call; copy what you keep "
             f"(np.array(x)).{carried}"
         )
+        _processes.report(f"{context} raised BufferEscapeError: {error}", eager)
         return _errors.stash(error, context, keep=eager)
 
     return on_escape

@@ -177,10 +177,16 @@ class Equation:
 def undeclared_factors(batch: tuple, operand_shapes, result_shapes, input_shapes):
     """The factors of an op without a declaration: batch dims free, all else whole.
 
+    A result of an operand's shape (batch dims included) shares that operand's
+    factors, the first such operand's: whole all the same, it is laid out like
+    that operand once computed (:func:`jaxdecl._sharded.shardy.sdy_rule`).
+
     Example:
         >>> f = undeclared_factors((8,), [(8, 3), (1, 3)], [(8, 3)], [(3,), (3,)])
         >>> f.operands[0][0], f.operands[1][0], f.results[0][0], sorted(f.replicate)[:2]
         ('#vmap0', '#bcast1.0', '#vmap0', ['#bcast1.0', 'x0'])
+        >>> f.results[0] == f.operands[0]
+        True
     """
     names = (f"x{k}" for k in itertools.count())
     batch_factors = tuple(f"#vmap{k}" for k in range(len(batch)))
@@ -204,7 +210,14 @@ def undeclared_factors(batch: tuple, operand_shapes, result_shapes, input_shapes
                 replicate.add(own)
                 lead.append(own)
         operands.append(tuple(lead) + whole(shape[len(batch):]))
-    results = tuple(batch_factors + whole(shape[len(batch):]) for shape in result_shapes)
+
+    def mirrored(shape):
+        for own, names in zip(operand_shapes, operands):
+            if tuple(own) == tuple(shape) and names[:len(batch)] == batch_factors:
+                return names
+        return batch_factors + whole(shape[len(batch):])
+
+    results = tuple(mirrored(shape) for shape in result_shapes)
     inputs = tuple(whole(shape) for shape in input_shapes)
     return _factors.RuleFactors(tuple(operands), results, frozenset(replicate), sizes,
                                  inputs, batch_factors)

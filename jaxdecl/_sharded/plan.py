@@ -125,13 +125,17 @@ _WHY = {
 }
 
 
-def proposal(factors, axis_sizes: dict) -> list:
+def proposal(factors, axis_sizes: dict, primal=None) -> list:
     """Operand specs that split the equation as its factors allow, with no operands'
     shardings to follow (a program exported over Auto axes).
 
     Each mesh axis, in order, goes to the first factor it divides: factors the
     results keep (no sum needed), the larger first, then summed ones (a psum).
-    Factors needed whole are never split.
+    Factors needed whole are never split. With `primal`, the factors of the op's
+    forward at the same shapes, the axes go to the forward's factors and every
+    rule of the op follows them (a tangent or cotangent split as its primal),
+    as they do under ``jit``: a vjp runs on the forward's blocks, not on its own
+    choice of them.
 
     Example:
         >>> from jaxdecl._spec.factors import RuleFactors
@@ -139,7 +143,23 @@ def proposal(factors, axis_sizes: dict) -> list:
         ...                 replicate=frozenset(), sizes={"b": 8, "k": 6}, inputs=(), batch=())
         >>> proposal(f, {"x": 2, "y": 3})
         [('x', 'y'), ('y',)]
+        >>> forward = RuleFactors(operands=(("b", "k"), ("k",)), results=(("b",),),
+        ...                       replicate=frozenset(), sizes={"b": 8, "k": 16}, inputs=(),
+        ...                       batch=())
+        >>> vjp = RuleFactors(operands=(("b", "k"), ("k",), ("b",)),
+        ...                   results=(("b", "k"), ("k",)), replicate=frozenset(),
+        ...                   sizes=forward.sizes, inputs=(), batch=())
+        >>> proposal(vjp, {"d": 8})  # its own choice: the larger factor
+        [(None, 'd'), ('d',), (None,)]
+        >>> proposal(vjp, {"d": 8}, primal=forward)  # the forward's blocks
+        [('d', None), (None,), ('d',)]
     """
+    assigned = _proposed_axes(primal if primal is not None else factors, axis_sizes)
+    return [tuple(_entry(assigned.get(f, ())) for f in names) for names in factors.operands]
+
+
+def _proposed_axes(factors, axis_sizes: dict) -> dict:
+    """factor -> mesh axes, as :func:`proposal` assigns them."""
     kept = set(itertools.chain.from_iterable(factors.results))
     candidates = sorted(
         {f for names in factors.operands for f in names if f not in factors.replicate},
@@ -152,7 +172,7 @@ def proposal(factors, axis_sizes: dict) -> list:
                 assigned.setdefault(factor, ())
                 assigned[factor] += (axis,)
                 break
-    return [tuple(_entry(assigned.get(f, ())) for f in names) for names in factors.operands]
+    return assigned
 
 
 def refusal(eqn, operand, dim, factor, why, axes) -> str:
@@ -321,47 +341,6 @@ def local_equation(eqn, factors, plan: Plan, axis_sizes: dict, operand_shapes) -
                 f"{[s for s, _ in _interface.signature_leaves(local_signature)]}); the declaration "
                 f"does not match the op's shapes")
     return shard, local_in
-
-
-def split_rank(factors, devices: int, looped: bool) -> int:
-    """The rank of an equation XLA may split by itself, or 0 (then a callback splits it).
-
-    That is when every operand and result has the same factors in the same
-    order: the equation is elementwise (``"b n -> b n"``, a vmap dim included),
-    so any split of any dims runs the same rule on each block, and nothing is
-    summed or gathered. Each factor must divide evenly over all `devices` (so
-    over any of their mesh axes), and none may be ``replicate`` (the callback
-    path warns when it gathers one). Rules looped over a vmap dim are excluded:
-    their kernel loops over the whole batch shape.
-    """
-    tensors = [*factors.operands, *factors.results]
-    if looped or not tensors:
-        return 0
-    rank = len(tensors[0])
-    if rank == 0 or any(tuple(t) != tuple(tensors[0]) for t in tensors[1:]):
-        return 0
-    names = tensors[0]
-    if len(set(names)) != rank or any(
-            f in factors.replicate or factors.sizes.get(f, 0) < devices
-            or factors.sizes[f] % devices for f in names):
-        return 0
-    return rank
-
-
-def sdy_rule(factors):
-    """The Shardy sharding rule of one equation (factors renamed f0, f1, ...)."""
-    names: dict = {}
-    for f in itertools.chain(*factors.operands, *factors.results):
-        names.setdefault(f, f"f{len(names)}")
-    in_results = set(itertools.chain(*factors.results))
-    reduction = tuple(names[f] for f in names if f not in in_results
-                      and f not in factors.replicate)
-    replicate = tuple(names[f] for f in names if f in factors.replicate)
-    mapping = _compat.sdy.ArrayMapping
-    return _compat.sdy.SdyShardingRule(
-        tuple(mapping(*(names[f] for f in v)) for v in factors.operands),
-        tuple(mapping(*(names[f] for f in v)) for v in factors.results),
-        reduction_factors=reduction, need_replication_factors=replicate)
 
 
 def to_spec(entries):

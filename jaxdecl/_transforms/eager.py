@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -32,6 +33,7 @@ import numpy as np
 from jax.core import ShapedArray
 
 from .. import _compat, _errors
+from .._host import processes as _processes
 from .._host import registry as _runtime
 from .._sharded import plan as _plan
 from .._sharded import shardmap as _shardmap
@@ -225,7 +227,9 @@ def run_sharded(eqn, operands, *, single: bool = False, rebuild=None):
     # Operands on no mesh (NumPy values, one-device arrays) join it whole.
     placed = [x if isinstance(getattr(x, "sharding", None), _compat.NamedSharding) else
               jax.device_put(x, _compat.NamedSharding(mesh, _compat.P())) for x in operands]
-    with _compat.outside_vmap_axes():  # the per-shard map covers the whole mesh
+    everywhere = (_processes.spanning() if not all(
+        getattr(x, "is_fully_addressable", True) for x in placed) else contextlib.nullcontext())
+    with _compat.outside_vmap_axes(), everywhere:  # the per-shard map covers the whole mesh
         result = run(call, placed)
     del pin  # held until here: the kernel's op stays alive for the call
     return result
@@ -267,13 +271,23 @@ def sharded_call(eqn, mesh, specs, operands, *, single=False, rebuild=None,
     caller = sharded_executable(mesh, plan, not eqn.declared, tuple(specs), want,
                                 shard.out_avals)
     call = Call(kernel, shard.out_avals, single, rebuild=rebuild, caller=caller)
-    if all(getattr(x, "is_fully_addressable", True) for x in operands):
-        # The slot goes to every device of the mesh once, not at each call (a
-        # one-device scalar would be copied to each device on every run). Across
-        # processes the slot differs per process, which a global array may not.
-        call.slot = jax.device_put(call.slot, _compat.NamedSharding(mesh, _compat.P()))
+    call.slot = _slot_on(mesh, kernel.slot)
     cache[key] = call
     return call, pin
+
+
+def _slot_on(mesh, slot: int):
+    """The kernel's slot as an operand replicated over `mesh`, made once per call.
+
+    Once, not at each call: a one-device scalar would be copied to each device on
+    every run. Made for this mesh, whatever the context the kernel's own slot
+    operand was made in (under ``jax.set_mesh`` of another mesh, it lives on that
+    mesh's devices). Each process gives its own devices its own slot: kernels are
+    numbered per process, and each device's custom call reads only its own copy.
+    """
+    value = np.int32(slot)
+    return jax.make_array_from_callback((), _compat.NamedSharding(mesh, _compat.P()),
+                                        lambda _: value)
 
 
 def _one_device(eqn, operands, mesh, specs, single, rebuild):

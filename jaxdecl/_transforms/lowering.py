@@ -39,12 +39,15 @@ import jax
 import numpy as np
 
 from .. import _compat, _errors
+from .._host import processes as _processes
 from .._host import registry as _runtime
 from .._op import fingerprint as _fingerprint
 from .._sharded import plan as _plan
 from .._sharded import shardmap as _shardmap
+from .._sharded import shardy as _shardy
 from .._sharded import strategy as _strategy
 from .._sharded.strategy import Strategy
+from .._spec import interface as _interface
 from . import recipes as _recipes
 from .primitive import bind, broadcast_vmapped, jaxdecl_p, mesh_of
 
@@ -53,14 +56,33 @@ def _program_mesh(ctx):
     """``(mesh, devices)`` the program is compiled for; ``(None, 1)`` inside shard_map."""
     context = ctx.module_context.axis_context
     if not isinstance(context, _compat.ShardingContext):
-        return None, 1  # shard_map (manual axes): the rule already sees blocks
+        # shard_map (manual axes): the rule already sees blocks
+        mesh = getattr(context, "mesh", None)
+        _spanning(mesh.devices if isinstance(mesh, jax.sharding.Mesh) else None,
+                  getattr(mesh, "size", 1))
+        return None, 1
     devices = len(context.device_assignment or ())
+    _spanning(context.device_assignment, devices)
     mesh = context.abstract_mesh
     if mesh is None or mesh.empty:
         mesh = mesh_of(ctx.avals_in)
     if mesh is None or mesh.empty:
         return None, 1
     return mesh, devices
+
+
+def _spanning(devices, count: int) -> None:
+    """A program on `devices` (or, where unknown, on `count` devices, more than this
+    process has) spans processes: from now on a rule that fails in this process ends
+    the job (:mod:`jaxdecl._host.processes`)."""
+    if jax.process_count() == 1:
+        return
+    if devices is not None:
+        me = jax.process_index()
+        if any(getattr(d, "process_index", me) != me for d in np.ravel(devices)):
+            _processes.join()
+    elif count > jax.local_device_count():
+        _processes.join()
 
 
 def lower(ctx, *args, equation):
@@ -88,7 +110,7 @@ def lower(ctx, *args, equation):
     factors, rank = None, 0
     if devices > 1 and not explicit:
         factors = eqn.factors(in_shapes)
-        rank = _plan.split_rank(factors, devices, eqn.looped)
+        rank = _shardy.split_rank(factors, devices, eqn.looped)
         facts["elementwise"] = bool(rank)
     strategy = _strategy.decide(**facts)
     if strategy is Strategy.DIRECT:
@@ -189,7 +211,7 @@ def _warn_cannot_split(name: str) -> None:
 
 def lower_split(ctx, args, eqn, factors, devices: int, rank: int):
     """One custom call that XLA's batch partitioner splits over its leading `rank` dims
-    (:func:`jaxdecl._sharded.plan.split_rank`; see the module docstring).
+    (:func:`jaxdecl._sharded.shardy.split_rank`; see the module docstring).
 
     The call is the single-device one (same kernel) with a trailing unit dim on
     every operand and result: XLA's batch partitioner splits only dims in front
@@ -285,7 +307,8 @@ def lower_partitioned(ctx, args, eqn, factors):
         return tuple(bind(eqn, operands))
 
     wrapped = _compat.custom_partitioning(whole)
-    wrapped.def_partition(partition=partition, sharding_rule=_plan.sdy_rule(factors))
+    wrapped.def_partition(partition=partition, sharding_rule=_shardy.sdy_rule(
+        factors, declared=eqn.declared))
     return _compat.mlir.lower_fun(lambda *a: list(wrapped(*a)), multiple_results=True)(
         ctx, *args)
 
@@ -325,7 +348,7 @@ def lower_per_shard_map(ctx, args, eqn, mesh, proposed: bool = False):
     in_shapes = tuple(tuple(a.shape) for a in ctx.avals_in)
     axis_sizes = dict(mesh.shape)
     factors = eqn.factors(in_shapes)
-    specs = (_plan.proposal(factors, axis_sizes) if proposed
+    specs = (_plan.proposal(factors, axis_sizes, primal=_forward_factors(eqn)) if proposed
              else [_plan.partition_spec_of(a) for a in ctx.avals_in])
     plan = _plan.plan_for(eqn, factors, specs, axis_sizes, explicit=not proposed)
     shard, _ = _plan.local_equation(eqn, factors, plan, axis_sizes, in_shapes)
@@ -336,6 +359,13 @@ def lower_per_shard_map(ctx, args, eqn, mesh, proposed: bool = False):
     # Lowered inside an eager vmap (of a jit), the map still covers the whole mesh.
     with _compat.outside_vmap_axes():
         return _compat.mlir.lower_fun(whole, multiple_results=True)(ctx, *args)
+
+
+def _forward_factors(eqn):
+    """The factors of the forward of `eqn`'s op at the same shapes (what its rules follow)."""
+    shapes = tuple(eqn.batch + tuple(shape) for shape, _ in
+                   _interface.signature_leaves(eqn.signature))
+    return (eqn if eqn.rule == "forward" else eqn.with_rule("forward")).factors(shapes)
 
 
 # The primitive's lowering, one rule for every platform (CPU and CUDA; others are

@@ -26,6 +26,7 @@ import numpy as np
 
 from .. import _dtypes
 from .._errors import ExportError
+from .._host import processes as _processes
 from .._host.registry import SPLIT_TARGET, TARGET
 from .._op.configuration import Unsaveable, configuration, decode, encode, find, restore
 from .._op.equation import Equation
@@ -189,6 +190,8 @@ def resolve(data: bytes) -> tuple:
                    tuple(fields["batch"]), fields["wrt"],
                    None if active is None else tuple(active))
     kernel, _ = eqn.kernel(tuple(tuple(s) for s in fields["in_shapes"]))
+    # A loaded program may span the processes of a job: a failing rule ends the job.
+    _processes.join()
     return kernel.slot, instance
 
 
