@@ -19,7 +19,10 @@ Example:
     ...     @jd.forward
     ...     def apply(self, x):
     ...         return 2 * x
-    >>> [float(Twice(np.zeros(2))(jnp.float32(i))) for i in range(3)]  # compiled once
+    >>> import warnings
+    >>> with warnings.catch_warnings():  # (it warns that each instance is a new configuration)
+    ...     warnings.simplefilter("ignore")
+    ...     [float(Twice(np.zeros(2))(jnp.float32(i))) for i in range(3)]  # compiled once
     [0.0, 2.0, 4.0]
 """
 
