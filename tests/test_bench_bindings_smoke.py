@@ -19,14 +19,23 @@ GROUPS = {"nufft1d_small": "nufft", "nufft1d_large": "nufft", "nufft2d_large": "
           "kdtree_small": "kdtree", "kdtree_large": "kdtree", "fft_small": "fft",
           "fft_large": "fft", "sht_small": "sht", "sht_large": "sht"}
 CASES = {f"{prefix}_{mode}" for prefix in GROUPS for mode in ("forward", "grad", "vmap")}
+# jaxdecl.contrib.finufft against jax-finufft: the columns of its table.
+CONTRIB = ("finufft_1d1_small", "finufft_1d1_large", "finufft_2d2_large", "finufft_3d3")
+GROUPS.update(dict.fromkeys(CONTRIB, "contrib_finufft"))
+CASES |= {f"{prefix}_{mode}" for prefix in CONTRIB
+          for mode in ("forward", "grad", "grad-points", "jvp", "new-points")}
 VARIANTS = {
     "nufft": {"direct", "direct[plan]", "jaxdecl", "jaxdecl[pytree]", "jaxdecl[C]",
               "jaxdecl[C+plan]", "jax-finufft"},
     "kdtree": {"direct", "jaxdecl", "pure_callback"},
     "fft": {"direct", "jaxdecl", "jnp.fft"},
     "sht": {"direct", "jaxdecl", "s2fft"},
+    "contrib_finufft": {"direct", "contrib.finufft", "jax-finufft"},
 }
-PEERS = {"nufft": "jax_finufft", "kdtree": None, "fft": None, "sht": "s2fft"}
+PEERS = {"nufft": "jax_finufft", "kdtree": None, "fft": None, "sht": "s2fft",
+         "contrib_finufft": "jax_finufft"}
+OURS = {"nufft": "jaxdecl", "kdtree": "jaxdecl", "fft": "jaxdecl", "sht": "jaxdecl",
+        "contrib_finufft": "contrib.finufft"}
 
 
 def _allowed(name, why) -> bool:
@@ -35,6 +44,11 @@ def _allowed(name, why) -> bool:
         return True
     if name.startswith("jaxdecl[C") and "compiler" in why:
         return True
+    # Where jaxdecl has no partly linear ops, contrib.finufft's points are nondiff=.
+    if name == "contrib.finufft" and "nondiff" in why:
+        from jaxdecl.contrib.finufft import _ops
+
+        return not _ops.PARTLY_LINEAR
     # jax-finufft 1.3.1's batching rule reads batching.not_mapped, gone from newer JAX.
     return name == "jax-finufft" and "not_mapped" in why
 
@@ -57,7 +71,7 @@ def test_quick_run_reports_every_case(tmp_path):
         # Every variant agreed with the direct call (checked leaf by leaf before timing).
         assert all(_allowed(name, why) for name, why in skipped.items()), (key, skipped)
         assert VARIANTS[group] <= set(variants) | set(skipped), (key, sorted(variants))
-        assert {"direct", "jaxdecl"} <= set(variants), key
+        assert "direct" in variants and OURS[group] in set(variants) | set(skipped), key
         library = PEERS[group]
         if library is None or importlib.util.find_spec(library):
             assert case["peer"] in variants, (key, case["peer"])
@@ -68,10 +82,16 @@ def test_quick_run_reports_every_case(tmp_path):
         if group == "nufft" and key.endswith("vmap") and importlib.util.find_spec("jax_finufft"):
             # Its native batch stands in where its vmap fails.
             assert "jax-finufft[n_trans]" in variants, key
-    [target] = report["targets"]
-    assert target["case"] == "nufft1d_small_forward"
-    assert target["verdict"] in ("PASS", "MISS", "SKIP")
+    targets = {target["case"]: target for target in report["targets"]}
+    assert "nufft1d_small_forward" in targets and "finufft_sharded_type2" in targets
+    assert {f"{prefix}_{mode}" for prefix in CONTRIB
+            for mode in ("forward", "grad", "grad-points", "jvp")} < set(targets)
+    assert all(t["verdict"] in ("PASS", "MISS", "SKIP") for t in targets.values())
+    sharded = report["contrib_finufft"]["sharded"]
+    assert sharded["gathers_in_hlo"] == [] and sharded["ratio"] > 0, sharded
+    assert "| contrib.finufft / jax-finufft (nthreads=1) |" in done.stdout
     assert "| 1-D NUFFT type 1, M = 1,000, N = 64: forward | direct |" in done.stdout
     assert "| jaxdecl / direct | jaxdecl / peer |" in done.stdout
     # The chart is written next to the JSON, under the same prefix.
     assert (tmp_path / "results_bindings.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "results_bindings_finufft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
