@@ -59,10 +59,13 @@ def test_quick_run_reports_every_case(tmp_path):
     env.pop("XLA_FLAGS", None)  # one host device, as users run it
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_bindings.py"), "--quick",
-         "--markdown", "--out", str(prefix)],
+         "--markdown", "--out", str(prefix), "--finufft-out", str(tmp_path / "results_finufft")],
         check=False, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "results_bindings.json").read_text())
+    contrib = json.loads((tmp_path / "results_finufft.json").read_text())
+    targets = {t["case"]: t for t in report["targets"] + contrib["targets"]}
+    report["cases"].update(contrib["cases"])
     assert set(report["cases"]) == CASES, report.get("skipped_cases")
     assert report["meta"]["jax"] and report["meta"]["cpus"] and report["meta"]["finufft"]
     for key, case in report["cases"].items():
@@ -82,16 +85,15 @@ def test_quick_run_reports_every_case(tmp_path):
         if group == "nufft" and key.endswith("vmap") and importlib.util.find_spec("jax_finufft"):
             # Its native batch stands in where its vmap fails.
             assert "jax-finufft[n_trans]" in variants, key
-    targets = {target["case"]: target for target in report["targets"]}
     assert "nufft1d_small_forward" in targets and "finufft_sharded_type2" in targets
     assert {f"{prefix}_{mode}" for prefix in CONTRIB
             for mode in ("forward", "grad", "grad-points", "jvp")} < set(targets)
     assert all(t["verdict"] in ("PASS", "MISS", "SKIP") for t in targets.values())
-    sharded = report["contrib_finufft"]["sharded"]
+    sharded = contrib["sharded"]
     assert sharded["gathers_in_hlo"] == [] and sharded["ratio"] > 0, sharded
     assert "| contrib.finufft / jax-finufft (nthreads=1) |" in done.stdout
     assert "| 1-D NUFFT type 1, M = 1,000, N = 64: forward | direct |" in done.stdout
     assert "| jaxdecl / direct | jaxdecl / peer |" in done.stdout
     # The chart is written next to the JSON, under the same prefix.
     assert (tmp_path / "results_bindings.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (tmp_path / "results_bindings_finufft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "results_finufft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
