@@ -456,6 +456,36 @@ def test_repeated_points_skip_setpts_and_grad_runs_two_transforms():
     assert _library.counters()["setpts_run"] == after["setpts_run"] + 1
 
 
+def _transforms(run) -> dict:
+    """Transforms (n_trans summed) by finufft type that a second call of `run` executes."""
+    jax.block_until_ready(run())
+    before = _library.counters()
+    jax.block_until_ready(run())
+    after = _library.counters()
+    return {t: after[f"transforms_type{t}"] - before[f"transforms_type{t}"] for t in (1, 2, 3)}
+
+
+def test_derivatives_transform_only_what_is_asked():
+    """Tangents of the strengths alone never transform anything for the points (2-D: a
+    points' part would add two transforms to each derivative)."""
+    rng = np.random.default_rng(27)
+    source, points = inputs(rng, 1, 2, lead=())
+    f = lambda s, *p: nf.nufft1(MODES[2], s, *p, eps=1e-9, opts=ONE)  # noqa: E731
+    jvp = jax.jit(lambda s, t, *p: jax.jvp(lambda u: f(u, *p), (s,), (t,)))
+    assert _transforms(lambda: jvp(source, source, *points)) == {1: 2, 2: 0, 3: 0}
+    grad = jax.jit(jax.grad(_loss(f)))
+    assert _transforms(lambda: grad(source, *points)) == {1: 1, 2: 1, 3: 0}
+    if not _ops.PARTLY_LINEAR:
+        return
+    # With respect to the points alone: their two transforms, none for the strengths.
+    grad = jax.jit(jax.grad(_loss(f), argnums=(1, 2)))
+    assert _transforms(lambda: grad(source, *points)) == {1: 1, 2: 2, 3: 0}
+    tangent = jax.jit(lambda s, x, y, dx: jax.jvp(lambda a: f(s, a, y), (x,), (dx,)))
+    assert _transforms(lambda: tangent(source, *points, points[0])) == {1: 2, 2: 0, 3: 0}
+    both = jax.jit(jax.grad(_loss(f), argnums=(0, 1, 2)))  # one stacked call of 3 transforms
+    assert _transforms(lambda: both(source, *points)) == {1: 1, 2: 3, 3: 0}
+
+
 def test_plans_kept_are_bounded():
     rng = np.random.default_rng(25)
     source, (x,) = inputs(rng, 1, 1, lead=())
