@@ -562,8 +562,11 @@ def contrib_markdown(table: dict, sharded: dict | None) -> str:
     return "\n".join(lines)
 
 
-def draw_contrib_chart(path, table: dict, sharded: dict | None) -> None:
-    """Grouped bars: contrib.finufft / jax-finufft per case and mode; 1.0 marked."""
+def draw_contrib_chart(path, table: dict, sharded: dict | None, meta: dict | None = None) -> None:
+    """Grouped bars: contrib.finufft / jax-finufft per case and mode; 1.0 marked.
+
+    `meta` (the report's) names the JAX version and CPU count; by default this process's.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -576,18 +579,22 @@ def draw_contrib_chart(path, table: dict, sharded: dict | None) -> None:
         xs = [r + (i - (len(CONTRIB_MODES) - 1) / 2) * width for r in range(len(rows))]
         values = [row[mode]["ratio"] if mode in row else 0.0 for row in rows]
         ax.bar(xs, values, width, label=mode)
+    labels = [row["title"].replace(", ", ",\n") for row in rows]
     if sharded and "ratio" in sharded:
-        ax.bar([len(rows)], [sharded["ratio"]], 0.3, color="#444444",
+        ax.bar([len(rows) - 0.15], [sharded["ratio"]], 0.3, color="#444444",
                label="type 2, 4 devices / 1 device")
+        ax.bar([len(rows) + 0.15], [sharded["quarter_ratio"]], 0.3, color="#999999",
+               label="type 2, 1 device on M/4 points / on M (each device's share)")
+        labels.append("sharded 2-D type 2")
     ax.axhline(1.0, color="black", linewidth=1)
-    ax.set_xticks(range(len(rows) + (1 if sharded and "ratio" in sharded else 0)))
-    ax.set_xticklabels([row["title"] for row in rows] +
-                       (["sharded 2-D type 2"] if sharded and "ratio" in sharded else []),
-                       fontsize=8)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, fontsize=8)
     ax.set_ylabel("time / jax-finufft's (median)")
-    ax.set_title(f"jaxdecl.contrib.finufft / jax-finufft, nthreads=1 (jax {jax.__version__}, "
-                 f"{os.cpu_count()} CPUs); below 1: faster", fontsize=10)
-    ax.legend(fontsize=8, ncol=3)
+    meta = meta or {"jax": jax.__version__, "cpus": os.cpu_count()}
+    ax.set_title(f"jaxdecl.contrib.finufft / jax-finufft, nthreads=1 (jax {meta['jax']}, "
+                 f"{meta['cpus']} CPUs); below 1: faster", fontsize=10)
+    ax.set_ylim(0, 1.6)
+    ax.legend(fontsize=8, ncol=3, loc="upper left")
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -1185,7 +1192,7 @@ def main(argv=None):
                                                                          "4 devices")]})
         written.append(args.finufft_out + ".json")
         if not args.no_chart:
-            draw_contrib_chart(args.finufft_out + ".png", table, sharded)
+            draw_contrib_chart(args.finufft_out + ".png", table, sharded, report["meta"])
             written.append(args.finufft_out + ".png")
     if args.markdown:
         if report["cases"]:
