@@ -6,6 +6,7 @@ against jaxlib, and one build loads next to every supported JAX.
 """
 
 import glob
+import sys
 
 import numpy
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
@@ -28,11 +29,21 @@ dispatch = Pybind11Extension(
         "csrc/errors.cc",
         "csrc/registry.cc",
         "csrc/module.cc",  # the Python module
+        # CUDA: the runtime found at run time (no CUDA headers, no nvcc), staging
+        # through pinned memory, device rules, the handlers, DLPack, their Python face
+        "csrc/gpu/cuda_runtime.cc",
+        "csrc/gpu/staging.cc",
+        "csrc/gpu/device_rules.cc",
+        "csrc/gpu/handlers.cc",
+        "csrc/gpu/dlpack.cc",
+        "csrc/gpu/module_gpu.cc",
     ],
     include_dirs=["jaxdecl/include", "csrc/third_party", numpy.get_include()],
     # A changed header rebuilds every source: the structs in them are shared.
-    depends=sorted(glob.glob("csrc/*.h")),
+    depends=sorted(glob.glob("csrc/*.h") + glob.glob("csrc/gpu/*.h")),
     cxx_std=17,
+    # dlopen (csrc/gpu/cuda_runtime.cc): in libc from glibc 2.34, in libdl before.
+    libraries=["dl"] if sys.platform.startswith("linux") else [],
     # api.h trips -Wreturn-type on g++ 12 in code we do not own.
     extra_compile_args=["-O2", "-Wno-return-type", "-Wno-sign-compare"],
 )

@@ -202,6 +202,19 @@ std::string NotAvailable(const CallSite& site) {
          "and call it once (or trace the function again) before running it";
 }
 
+ffi::Error InitCallSite(CallSite& site, int64_t hi, int64_t lo, std::string_view name,
+                        std::string_view recipe) {
+  site.fingerprint = {static_cast<uint64_t>(hi), static_cast<uint64_t>(lo)};
+  site.name = std::string(name);
+  site.recipe = std::string(recipe);
+  if (!Resolve(site) && !site.failure.empty()) {
+    // The recipe names an op this process cannot rebuild: say so now, while
+    // XLA loads the program, rather than at its first run.
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, NotAvailable(site));
+  }
+  return ffi::Error::Success();
+}
+
 namespace {
 
 // Instantiation: once per call site when XLA builds or loads an executable.
@@ -210,15 +223,8 @@ namespace {
 ffi::Error JaxdeclInstantiateImpl(StateAccess access, int64_t hi, int64_t lo,
                                   std::string_view name, std::string_view recipe) {
   auto site = std::make_unique<CallSite>();
-  ++CallSite::live_call_sites;
-  site->fingerprint = {static_cast<uint64_t>(hi), static_cast<uint64_t>(lo)};
-  site->name = std::string(name);
-  site->recipe = std::string(recipe);
-  if (!Resolve(*site) && !site->failure.empty()) {
-    // The recipe names an op this process cannot rebuild: say so now, while
-    // XLA loads the program, rather than at its first run.
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, NotAvailable(*site));
-  }
+  ffi::Error failed = InitCallSite(*site, hi, lo, name, recipe);
+  if (failed.failure()) return failed;
   XLA_FFI_Error* error = SetState(access, &CallSite::id, site.get(), &DeleteCallSite);
   if (error != nullptr) {
     DestroyError(access.api, error);

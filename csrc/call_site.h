@@ -50,6 +50,7 @@ struct CallSite {
   PyObject* pin = nullptr;  // a strong reference to the op instance, or null
   ViewCache views;          // GIL held
 
+  CallSite() { ++live_call_sites; }
   ~CallSite();
 
   static std::atomic<int64_t> live_call_sites;
@@ -69,6 +70,13 @@ inline bool Resolve(CallSite& site) {
 
 // The message of a site whose kernel this process does not have.
 std::string NotAvailable(const CallSite& site);
+
+// The instantiate stage's work, for every platform: fills `site` from the
+// call's attributes and resolves its kernel.  Fails when the recipe names an
+// op this process cannot rebuild (said while XLA loads the program, not at
+// its first run).
+ffi::Error InitCallSite(CallSite& site, int64_t hi, int64_t lo, std::string_view name,
+                        std::string_view recipe);
 
 // The call site XLA keeps for this custom call, or null.
 inline CallSite* GetCallSite(const StateAccess& access) {

@@ -10,6 +10,7 @@
 #ifndef JAXDECL_CSRC_KERNELS_H_
 #define JAXDECL_CSRC_KERNELS_H_
 
+#include <functional>
 #include <string>
 
 #include "registry.h"
@@ -39,6 +40,12 @@ PyObject* OutKeyword();
 // Calls a Python kernel as kernel(inputs, outputs, eager) (or its direct
 // form), taking the GIL.
 std::string RunPythonKernel(const Kernel& kernel, const Call& call);
+
+// Runs `body` as every Python kernel runs: with the GIL, in the rules'
+// floating-point environment, under the worker-thread guard, after checking
+// that an eager kernel's op still lives.  (A device rule runs so too.)
+std::string RunInPython(const Kernel& kernel, bool eager,
+                        const std::function<std::string()>& body);
 
 // Calls a C kernel on the call's buffers, without the GIL.
 std::string RunCKernel(const Kernel& kernel, const Call& call);

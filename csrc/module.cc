@@ -13,6 +13,7 @@
 #include <memory>
 #include <string>
 
+#include "gpu/gpu.h"
 #include "registry.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -37,6 +38,17 @@ std::unique_ptr<jaxdecl::Kernel> NewKernel(int64_t hi, int64_t lo,
   kernel->fingerprint = {static_cast<uint64_t>(hi), static_cast<uint64_t>(lo)};
   kernel->name = std::move(name);
   return kernel;
+}
+
+// A device rule (platform="gpu") for the CUDA handlers: a Python device kernel,
+// or a C function taking the stream (jaxdecl_gpu_kernel) and what owns its code.
+void SetDeviceRule(jaxdecl::Kernel& kernel, py::object device_call, uintptr_t gpu_address,
+                   py::object gpu_keepalive) {
+  if (!device_call.is_none()) kernel.device_call = device_call.release().ptr();
+  if (gpu_address != 0) {
+    kernel.gpu_function = reinterpret_cast<jaxdecl_gpu_kernel>(gpu_address);
+    kernel.gpu_keepalive = gpu_keepalive.release().ptr();
+  }
 }
 
 py::dict ElementTypes() {
@@ -65,7 +77,7 @@ py::dict ElementTypes() {
 }  // namespace
 
 PYBIND11_MODULE(_dispatch, m) {
-  m.doc() = "jaxdecl's XLA FFI dispatcher (CPU).";
+  m.doc() = "jaxdecl's XLA FFI dispatcher (CPU and CUDA).";
   if (_import_array() < 0) throw py::error_already_set();
   if (!jaxdecl::Initialize()) throw py::error_already_set();
 
@@ -99,11 +111,14 @@ PYBIND11_MODULE(_dispatch, m) {
   m.def("register_kernel", [](int64_t hi, int64_t lo, std::string name,
                               py::object call, py::object on_escape,
                               py::object instance_ref, py::object direct,
-                              py::object on_failure, std::vector<int64_t> rows) {
+                              py::object on_failure, std::vector<int64_t> rows,
+                              py::object device_call, uintptr_t gpu_address,
+                              py::object gpu_keepalive, std::vector<int> gpu_operands) {
     if (!instance_ref.is_none() && !PyWeakref_Check(instance_ref.ptr())) {
       throw py::type_error("instance_ref must be a weak reference or None");
     }
     auto kernel = NewKernel(hi, lo, std::move(name));
+    SetDeviceRule(*kernel, device_call, gpu_address, gpu_keepalive);
     kernel->call = call.release().ptr();
     kernel->on_escape = on_escape.release().ptr();
     if (!instance_ref.is_none()) kernel->instance_ref = instance_ref.release().ptr();
@@ -112,19 +127,25 @@ PYBIND11_MODULE(_dispatch, m) {
       kernel->on_failure = on_failure.release().ptr();
     }
     kernel->row_dims = std::move(rows);
+    kernel->c_operands = std::move(gpu_operands);  // (what a GPU C device rule takes)
     return jaxdecl::RegisterKernel(std::move(kernel));
   }, py::arg("fingerprint_hi"), py::arg("fingerprint_lo"), py::arg("name"),
         py::arg("call"), py::arg("on_escape"), py::arg("instance_ref"),
         py::arg("direct") = py::none(), py::arg("on_failure") = py::none(),
-        py::arg("rows") = std::vector<int64_t>(),
+        py::arg("rows") = std::vector<int64_t>(), py::arg("device_call") = py::none(),
+        py::arg("gpu_address") = 0, py::arg("gpu_keepalive") = py::none(),
+        py::arg("gpu_operands") = std::vector<int>(),
         "Registers a Python host kernel until release_kernel; returns its slot. "
-        "`rows`: the batch dims of batch=\"loop\", run a row at a time.");
+        "`rows`: the batch dims of batch=\"loop\", run a row at a time; `device_call` or "
+        "`gpu_address`: a device rule (platform=\"gpu\"), which CUDA runs instead.");
 
   m.def("register_c_kernel", [](int64_t hi, int64_t lo, std::string name,
                                 uintptr_t address, py::object keepalive,
                                 std::vector<int> operands, std::vector<int64_t> rows,
-                                int conj_from) {
+                                int conj_from, py::object device_call, uintptr_t gpu_address,
+                                py::object gpu_keepalive) {
     auto kernel = NewKernel(hi, lo, std::move(name));
+    SetDeviceRule(*kernel, device_call, gpu_address, gpu_keepalive);
     kernel->c_function = ToFunction(address);
     kernel->keepalive = keepalive.release().ptr();
     kernel->c_operands = std::move(operands);
@@ -134,10 +155,12 @@ PYBIND11_MODULE(_dispatch, m) {
   }, py::arg("fingerprint_hi"), py::arg("fingerprint_lo"), py::arg("name"),
         py::arg("address"), py::arg("keepalive"),
         py::arg("operands") = std::vector<int>(), py::arg("rows") = std::vector<int64_t>(),
-        py::arg("conj_from") = -1,
+        py::arg("conj_from") = -1, py::arg("device_call") = py::none(),
+        py::arg("gpu_address") = 0, py::arg("gpu_keepalive") = py::none(),
         "Registers a C kernel (jaxdecl.h) until release_kernel; returns its slot. "
         "`operands`: the indices it takes (all if empty); `rows`: the batch dims of "
-        "batch=\"loop\"; `conj_from`: an adjoint's first conjugated operand, or -1.");
+        "batch=\"loop\"; `conj_from`: an adjoint's first conjugated operand, or -1; "
+        "`device_call`/`gpu_address`: a device rule, as for register_kernel.");
 
   m.def("release_kernel", &jaxdecl::ReleaseKernel, py::arg("slot"),
         "Drops a registration; False if the slot held none.");
@@ -171,4 +194,6 @@ PYBIND11_MODULE(_dispatch, m) {
         "Drops now the references that destroyed call sites left to drop later.");
   m.def("call_site_count", &jaxdecl::CallSiteCount,
         "How many call sites of live compiled executables hold a kernel.");
+
+  jaxdecl::gpu::DefineModule(m);  // the CUDA handlers, device rules, their tests
 }

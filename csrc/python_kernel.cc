@@ -11,6 +11,8 @@
 
 #include <Python.h>
 
+#include <functional>
+
 #include "errors.h"
 #include "fp_env.h"
 #include "kernels.h"
@@ -176,13 +178,14 @@ PyObject* OutKeyword() {
 
 // `eager` calls come from the eager path, whose caller pins the op; compiled
 // call sites pin it themselves (see CallSite).
-std::string RunPythonKernel(const Kernel& kernel, const Call& call) {
+std::string RunInPython(const Kernel& kernel, bool eager,
+                        const std::function<std::string()>& body) {
   if (!Py_IsInitialized()) return "jaxdecl: the Python interpreter is gone";
   bool on_worker = OnWorkerThread();
   PyGILState_STATE gil = PyGILState_Ensure();
   // A call site pins its op; an eager caller pins it too, but a slot can be
   // reused once released, so the eager path checks.
-  if (call.eager && !kernel.Alive()) {
+  if (eager && !kernel.Alive()) {
     std::string error = "jaxdecl: " + kernel.name + ": the op was deleted";
     PyGILState_Release(gil);
     return error;
@@ -191,11 +194,15 @@ std::string RunPythonKernel(const Kernel& kernel, const Call& call) {
   std::string error;
   {
     RuleFpEnvironment environment;  // Python's, not XLA's (fp_env.h)
-    error = RunWithViews(kernel, call);
+    error = body();
   }
   LeaveGuard(previous);
   PyGILState_Release(gil);
   return error;
+}
+
+std::string RunPythonKernel(const Kernel& kernel, const Call& call) {
+  return RunInPython(kernel, call.eager, [&] { return RunWithViews(kernel, call); });
 }
 
 void SetWorkerGuard(PyObject* state, PyObject* name, PyObject* value) {

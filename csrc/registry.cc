@@ -67,7 +67,8 @@ bool Kernel::Alive() const {
 
 Kernel::~Kernel() {
   if (call == nullptr && on_escape == nullptr && keepalive == nullptr &&
-      instance_ref == nullptr && direct == nullptr && on_failure == nullptr) {
+      instance_ref == nullptr && direct == nullptr && on_failure == nullptr &&
+      device_call == nullptr && gpu_keepalive == nullptr) {
     return;
   }
   if (!Py_IsInitialized()) return;  // at exit: nothing left to release
@@ -79,6 +80,8 @@ Kernel::~Kernel() {
   Py_XDECREF(instance_ref);
   Py_XDECREF(direct);
   Py_XDECREF(on_failure);
+  Py_XDECREF(device_call);
+  Py_XDECREF(gpu_keepalive);
   PyGILState_Release(gil);
 }
 

@@ -17,12 +17,17 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "jaxdecl.h"
 
 namespace jaxdecl {
+
+namespace gpu {
+struct Staging;  // csrc/gpu/staging.h
+}  // namespace gpu
 
 // 128 bits of a SHA-256 over the op's class, configuration, rule and shapes.
 struct Fingerprint {
@@ -81,6 +86,18 @@ struct Kernel {
   int c_conj_from = -1;
   // The eager path's views (its shapes are the kernel's own).  GIL held.
   mutable ViewCache eager_views;
+  // A device rule (platform="gpu"), which the CUDA handlers run on the
+  // device buffers instead of staging them through the host rule above:
+  // a Python kernel device_call(inputs, outputs, stream, ordinal, eager) ->
+  // None | message, each input and output an (address, shape, type code);
+  // or a C function that takes XLA's stream (jaxdecl.h), its code owned by
+  // gpu_keepalive.  Null: the host rule runs on GPUs too (csrc/gpu/).
+  PyObject* device_call = nullptr;
+  jaxdecl_gpu_kernel gpu_function = nullptr;
+  PyObject* gpu_keepalive = nullptr;
+  // The eager path's pinned host buffers on GPUs, made at its first GPU run.
+  mutable std::mutex gpu_mutex;
+  mutable std::shared_ptr<gpu::Staging> eager_staging;
   // False once the op the kernel calls is gone.  GIL held.
   bool Alive() const;
   // The op the kernel calls (a new reference); null when it has none or it is

@@ -28,7 +28,17 @@ from ._dtypes import SUPPORTED as _SUPPORTED
 from ._errors import BufferEscapeError, DeclarationError, ExportError, MissingRuleError, RuleError
 from ._host import registry as _registry
 from ._spec.cfunction import CFunction, cfunction, include_dir
-from ._spec.rules import abstract, adjoint, batch, forward, jvp, residuals, sharding, transpose, vjp
+from ._spec.decorators import (
+    abstract,
+    adjoint,
+    batch,
+    forward,
+    jvp,
+    residuals,
+    sharding,
+    transpose,
+    vjp,
+)
 from ._spec.sharding import ShardingRule
 
 # Importing them registers their rules on the primitive.
@@ -37,6 +47,7 @@ from ._transforms import batching as _batching  # noqa: F401
 from ._transforms import lowering as _lowering  # noqa: F401
 from ._transforms import primitive as _primitive  # noqa: F401
 from ._transforms import recipes as _recipes
+from ._transforms import transposition as _transposition  # noqa: F401
 from ._transforms.recipes import disabled_checks
 from ._version import __version__ as __version__
 

@@ -147,7 +147,7 @@ def _eager_call(handle: OpHandle, instance, args) -> tuple:
         if handle.declares_sharding:  # a declaration that does not fit fails here, named
             handle.sharding(signature, instance)
         in_shapes = tuple(shape for shape, _ in interface.inputs)
-        kernel, pin = handle.kernel((FORWARD, -1, signature, ()), in_shapes, instance)
+        kernel, pin = handle.kernel((FORWARD, -1, signature, (), None), in_shapes, instance)
         if interface.structured:
             call = _eager.Call(kernel, interface.outputs, False,
                                rebuild=lambda outs, groups=interface.out_groups,

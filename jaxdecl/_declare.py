@@ -49,18 +49,21 @@ _RULES_AND_OPTIONS = """
         ``@jd.jvp`` ``(self, x1, x2, dx1, dx2)``
             Forward mode: the output tangent(s), from one tangent per
             differentiable input. ``@jd.jvp(traceable=True)``: a rule written
-            with ``jax.numpy`` that JAX differentiates again. It may add the
-            keyword-only ``result`` (the forward's output) and ``saved`` (the
-            residuals).
+            with ``jax.numpy`` that JAX differentiates again;
+            ``@jd.jvp(zeros=True)``: a zero tangent arrives as None. It may
+            add the keyword-only ``result`` (the forward's output) and
+            ``saved`` (the residuals).
         ``@jd.vjp`` ``(self, x1, x2, ct)``
             Reverse mode: the input cotangent(s), from one cotangent per
             floating output. ``traceable=True``, ``result`` and ``saved`` as
-            for ``@jvp``.
-        ``@jd.transpose`` ``(self, <nondiff inputs>, ct)``
-            A linear op's transpose: the cotangent(s) of its linear inputs. A
-            multilinear op has one ``@jd.transpose(wrt="x1")`` taking
-            ``(self, <inputs but x1>, ct)`` per differentiable input.
-        ``@jd.adjoint`` ``(self, <nondiff inputs>, y)``
+            for ``@jvp``; the keyword-only ``wanted`` (a bool per
+            differentiable input) says which cotangents are asked for.
+        ``@jd.transpose`` ``(self, <inputs it is not linear in>, ct)``
+            A linear op's transpose: the cotangent(s) of its linear inputs
+            (``wanted`` as for ``@vjp``). A multilinear op has one
+            ``@jd.transpose(wrt="x1")`` taking ``(self, <inputs but x1>, ct)``
+            per differentiable input.
+        ``@jd.adjoint`` ``(self, <inputs it is not linear in>, y)``
             A linear op's conjugate transpose A^H y, instead of ``@transpose``.
         ``@jd.batch`` ``(self, args, axes)``
             ``vmap`` at trace time, on JAX values: returns
@@ -79,6 +82,10 @@ _RULES_AND_OPTIONS = """
             Linear in its differentiable inputs jointly: needs ``@transpose``
             (or ``@adjoint``) and no ``@jvp``/``@vjp``; every derivative order
             follows.
+        ``linear=("c",)``
+            Linear in the named inputs jointly, differentiable in the others
+            through ``@jvp``/``@vjp``: derivatives in the linear inputs run
+            ``@forward`` and ``@transpose``.
         ``multilinear=True``
             Linear in each differentiable input separately (``x1 * x2``): one
             ``@transpose(wrt=...)`` per differentiable input.

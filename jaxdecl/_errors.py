@@ -145,6 +145,40 @@ class ExportError(TypeError):
     """
 
 
+class PlatformError(NotImplementedError):
+    """A program calling a jaxdecl op is lowered for a platform jaxdecl cannot run on.
+
+    jaxdecl's handlers exist for CPUs and CUDA GPUs; lowering for another
+    platform (ROCm, TPU, ...) fails here, naming the op and the platform,
+    rather than in XLA. Catch it as ``NotImplementedError``.
+    """
+
+    def __init__(self, what: str, platforms):
+        self.what = what
+        self.platforms = tuple(platforms)
+        listed = ", ".join(repr(p) for p in self.platforms)
+        super().__init__(
+            f"{what} cannot run on {listed}: jaxdecl runs its ops on CPUs and CUDA GPUs "
+            f"(platforms 'cpu' and 'cuda'). Run the program there (e.g. inside "
+            f"`with jax.default_device(jax.devices('cpu')[0]):`), or export it for "
+            f"platforms=['cpu', 'cuda']")
+
+    def naming(self, what: str) -> PlatformError:
+        """The same error about `what` (an eager call learns its op's name later)."""
+        return PlatformError(what, self.platforms)
+
+
+#: The platforms whose runtimes run jaxdecl's ops (its FFI handlers are registered there).
+PLATFORMS = ("cpu", "cuda")
+
+
+def refuse_other_platforms(platforms, what: str) -> None:
+    """Raises :class:`PlatformError` when `platforms` (a lowering's) name one jaxdecl
+    cannot run on."""
+    others = [p for p in platforms if p not in PLATFORMS]
+    if others:
+        raise PlatformError(what, others)
+
 # The mark carries a per-process nonce so that text a rule happens to print
 # cannot pose as one, and it goes last in the message so that an inner op's
 # error quoted inside an outer rule's message never wins.

@@ -7,6 +7,7 @@
     python helpers_export.py bare DIR DEVICES   # loads without importing ops_saved: the error
     python helpers_export.py load-saved DIR 1   # load, of what another jaxdecl saved: where
                                                 # this JAX can (see load_saved)
+    python helpers_export.py load-saved-executables DIR 1   # its executables (same jaxlib)
 
 Prints ``{"checks": {...}}`` as its last line (see conftest.run_helper).
 """
@@ -51,6 +52,8 @@ def functions(ops):
         # vmap over a batch of x: the batch dim is the ops' own leading dim
         "vmap": lambda x, m: jax.vmap(lambda row: ops.Weighted(ops.W)(row))(
             jnp.stack([x, 2 * x])),
+        # equations that carry some tangents or return some cotangents (their active leaves)
+        "derivatives": ops.derivatives,
     }
 
 
@@ -75,7 +78,8 @@ def reference(name, x, m):
     import ops_saved
 
     twin = {"forward": ops_saved.twin, "grad": jax.grad(ops_saved.twin, argnums=(0, 1)),
-            "vmap": lambda x, m: jnp.asarray(ops_saved.W) * jnp.stack([x, 2 * x]) ** 2}[name]
+            "vmap": lambda x, m: jnp.asarray(ops_saved.W) * jnp.stack([x, 2 * x]) ** 2,
+            "derivatives": ops_saved.derivatives_twin}[name]
     return twin(x, m)
 
 
@@ -90,7 +94,7 @@ def load():
 
     checks = {"kernels_before": _dispatch.kernel_count()}
     args, _ = inputs()
-    for name in ("forward", "grad", "vmap"):
+    for name in ("forward", "grad", "vmap", "derivatives"):
         with open(os.path.join(DIR, f"{name}.exported"), "rb") as file:
             exported = jax.export.deserialize(bytearray(file.read()))
         got = exported.call(*args)
@@ -106,26 +110,36 @@ def load():
 
 
 def load_saved():
-    """`load` of programs saved with jax/jaxlib 0.10.2 (tests/data/saved_before_rooms):
-    their jax.export artifacts where this JAX reads version 11 artifacts (0.10 and later),
-    their serialized executables only on that very jaxlib."""
-    import jaxlib
+    """`load` of the jax.export artifacts saved with jax/jaxlib 0.10.2
+    (tests/data/saved_before_rooms), where this JAX reads version 11 artifacts (0.10 and
+    later)."""
     import ops_saved  # noqa: F401 - the user's module: the only import a saved program needs
+
+    checks = {}
+    args, _ = inputs()
+    for name in ("forward", "grad", "vmap"):
+        if tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 10):
+            with open(os.path.join(DIR, f"{name}.exported"), "rb") as file:
+                exported = jax.export.deserialize(bytearray(file.read()))
+            checks[f"exported_{name}"] = close(exported.call(*args), reference(name, *args))
+    return checks
+
+
+def load_saved_executables():
+    """`load` of the serialized executables saved with jaxlib 0.10.2 on Python 3.11, run
+    only by that very jaxlib. They hold XLA:CPU machine code compiled for the saving
+    host's CPU: a host without its instruction set extensions dies of SIGILL running them
+    (XLA logs which feature is missing first), which the test tells apart."""
+    import ops_saved  # noqa: F401
     from jax.experimental import serialize_executable
 
     checks = {}
     args, _ = inputs()
     for name in ("forward", "grad", "vmap"):
-        want = reference(name, *args)
-        if tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 10):
-            with open(os.path.join(DIR, f"{name}.exported"), "rb") as file:
-                exported = jax.export.deserialize(bytearray(file.read()))
-            checks[f"exported_{name}"] = close(exported.call(*args), want)
-        if jaxlib.__version__ == "0.10.2" and sys.version_info[:2] == (3, 11):
-            with open(os.path.join(DIR, f"{name}.executable"), "rb") as file:
-                payload, in_tree, out_tree = pickle.load(file)
-            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
-            checks[f"executable_{name}"] = close(compiled(*args), want)
+        with open(os.path.join(DIR, f"{name}.executable"), "rb") as file:
+            payload, in_tree, out_tree = pickle.load(file)
+        compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        checks[f"executable_{name}"] = close(compiled(*args), reference(name, *args))
     return checks
 
 
@@ -161,7 +175,8 @@ if __name__ == "__main__":
     if DEVICES > 1:
         kind = jax.sharding.AxisType.Explicit if EXPLICIT else jax.sharding.AxisType.Auto
         MESH = jax.make_mesh((DEVICES,), ("d",), axis_types=(kind,))
-    run = {"save": save, "load": load, "load-saved": load_saved, "bare": bare,
+    run = {"save": save, "load": load, "load-saved": load_saved,
+           "load-saved-executables": load_saved_executables, "bare": bare,
            "cache": cache}[MODE]
     if EXPLICIT:  # Explicit axes: the types carry the shardings, under the mesh
         with jax.set_mesh(MESH):

@@ -19,7 +19,8 @@
   ``lax.scan`` (the first input is the carry, which the program's first op takes, each
   op kind alike; the others are stacked), ``checkpoint`` and ``shard_map``
   (``in_specs`` the inputs' specs). Second derivatives only of programs whose ops are
-  linear: a NumPy rule has none (a documented refusal).
+  linear or partly linear with a traceable jvp: a NumPy rule has none (a documented
+  refusal).
 
 The draw is Python source defining ``run(ops)`` (``helpers_programs_source.py`` writes
 it); run with ``helpers_programs_ops.OPS`` it is the jaxdecl program, with ``TWINS`` its
@@ -51,8 +52,9 @@ TRANSFORMS = {"jit": 20, "grad": 14, "vmap": 14, "shard_map": 10, "jvp": 8, "vjp
               "scan": 8, "linearize": 7, "checkpoint": 6}
 DERIVATIVES = ("grad", "jvp", "vjp", "linearize")
 ONCE = ("jit", "shard_map", "scan", "checkpoint")  # at most once per draw
-OPS = ("Quad", "Mul", "Tanh", "SinRes", "Scale", "MatVec", "CumSum")
-LINEAR = ("Scale", "MatVec", "CumSum")  # every order of derivative works
+OPS = ("Quad", "Mul", "Tanh", "SinRes", "Scale", "MatVec", "CumSum", "Wave", "MulZ")
+LINEAR = ("Scale", "MatVec", "CumSum", "Wave")  # every order of derivative works
+PAIRED = ("Mul", "Wave", "MulZ")  # two inputs of one kind and dtype
 CONFIGS = {"Quad": ("0.1", "0.2", "0.3"), "Scale": ("2.0", "-0.5", "3.0"),
            "Tanh": ("1.0", "0.5", "2.0")}
 ARGS = "abc"
@@ -110,7 +112,7 @@ def _choices(x: _Value, values: list, rank: int, scans: tuple, linear: bool) -> 
     values whose last dim CumSum may need whole (under Explicit axes JAX's cumsum, the
     twin, refuses a split one)."""
     vectors = [v for v in values if v.kind == "last" and v.dtype == x.dtype]
-    choices = ["Quad", "Mul", "Tanh", "SinRes", "Scale"]
+    choices = ["Quad", "Mul", "Tanh", "SinRes", "Scale", "Wave", "MulZ"]
     if x.dtype != "complex128":
         choices += ["CumSum"] if x.kind in scans else []
         if x.kind == "full" and rank == 2 and vectors:
@@ -188,7 +190,7 @@ class _Program:
             self.features.add("pair")
             return f"{op}({first})({x.name}) + {op}({second})({x.name})", x.kind, x.dtype
         config = rnd.choice(CONFIGS[op]) if op in CONFIGS else ""
-        if op == "Mul":
+        if op in PAIRED:
             y = rnd.choice([v for v in self.values if v.kind == x.kind and v.dtype == x.dtype])
             return f"{self._make(op)}({x.name}, {y.name})", x.kind, x.dtype
         if op == "MatVec":

@@ -22,7 +22,11 @@ The ops, one per way of declaring one (all with NumPy rules):
 - ``SinRes()``: sin, keeping cos(x) as a residual (``@jd.residuals``, ``residuals=``);
 - ``Scale(c)``: c · x, ``linear=True`` with a ``@transpose``;
 - ``MatVec()``: ``sum(a * x, -1)``, ``multilinear=True``, ``reduce=("k",)``;
-- ``CumSum()``: a cumulative sum along the last dim, linear, ``replicate=("n",)``.
+- ``CumSum()``: a cumulative sum along the last dim, linear, ``replicate=("n",)``;
+- ``Wave()``: c · sin(x), partly linear (``linear=("c",)``, a NumPy ``@transpose``), its
+  traceable ``@jvp(zeros=True)`` calling the op itself: every order of derivative;
+- ``MulZ()``: x1 · x2² with a ``@jvp(zeros=True)`` and a ``@vjp`` taking ``wanted``
+  (NumPy rules: each derivative carries only the tangents and cotangents it needs).
 """
 
 from __future__ import annotations
@@ -182,6 +186,50 @@ class CumSum(jd.Primitive, linear=True, sharding="... n -> ... n", replicate=("n
         return np.cumsum(ct[..., ::-1], axis=-1)[..., ::-1]
 
 
+class Wave(jd.Primitive, linear=("c",), batch="vectorized", sharding="... n, ... n -> ... n"):
+    @jd.abstract
+    def shapes(self, x, c):
+        return _same(c)
+
+    @jd.forward
+    def apply(self, x, c):
+        return (c * np.sin(x)).astype(c.dtype)
+
+    @jd.transpose
+    def apply_t(self, x, ct):
+        return (np.sin(x) * ct).astype(ct.dtype)
+
+    @jd.jvp(zeros=True, traceable=True)
+    def push(self, x, c, dx, dc):
+        out = None if dx is None else self(x + np.pi / 2, c * dx)  # c cos(x) dx
+        if dc is not None:
+            out = self(x, dc) if out is None else out + self(x, dc)
+        return out
+
+
+class MulZ(jd.Primitive, sharding="... n, ... n -> ... n"):
+    @jd.abstract
+    def shapes(self, x1, x2):
+        return _same(x1)
+
+    @jd.forward
+    def apply(self, x1, x2):
+        return x1 * x2 ** 2
+
+    @jd.jvp(zeros=True)
+    def push(self, x1, x2, dx1, dx2):
+        out = np.zeros_like(x1)
+        if dx1 is not None:
+            out += x2 ** 2 * dx1
+        if dx2 is not None:
+            out += 2 * x1 * x2 * dx2
+        return out
+
+    @jd.vjp
+    def pull(self, x1, x2, ct, *, wanted):
+        return (x2 ** 2 * ct if wanted[0] else None), (2 * x1 * x2 * ct if wanted[1] else None)
+
+
 class _Twin:
     """A jax.numpy twin: the op's constructor, and ``__call__`` computing its function."""
 
@@ -226,10 +274,16 @@ class CumSumTwin(_Twin):
         return jnp.cumsum(x, axis=-1)
 
 
+class WaveTwin(_Twin):
+    def __call__(self, x, c):
+        return c * jnp.sin(x)
+
+
 OPS = types.SimpleNamespace(Quad=Quad, Mul=Mul, Tanh=Tanh, SinRes=SinRes, Scale=Scale,
-                            MatVec=MatVec, CumSum=CumSum)
+                            MatVec=MatVec, CumSum=CumSum, Wave=Wave, MulZ=MulZ)
 TWINS = types.SimpleNamespace(Quad=QuadTwin, Mul=MulTwin, Tanh=TanhTwin, SinRes=SinResTwin,
-                              Scale=ScaleTwin, MatVec=MatVecTwin, CumSum=CumSumTwin)
+                              Scale=ScaleTwin, MatVec=MatVecTwin, CumSum=CumSumTwin,
+                              Wave=WaveTwin, MulZ=MulTwin)
 
 
 # ---------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from ops_linear import Nudft, nudft_ref  # noqa: E402
 
 import jaxdecl as jd  # noqa: E402
 
@@ -497,8 +498,77 @@ def processes(port: str, process_id: str) -> dict:
     return checks
 
 
+class ShardedNudft(Nudft, sharding="m, m -> k", reduce=("m",), replicate=("k",)):
+    """The non-uniform DFT split over its points, a sum over them (type 1 of a NUFFT);
+    linear in the strengths, differentiable in the points."""
+
+    def apply(self, x, c):
+        CALLS.append(("nudft", x.shape))
+        return super().apply(x, c)
+
+    def apply_t(self, x, ct):
+        CALLS.append(("nudft_t", x.shape))
+        return super().apply_t(x, ct)
+
+    def push(self, x, c, dx, dc):
+        CALLS.append((f"nudft_jvp {dx is not None, dc is not None}", x.shape))
+        return super().push(x, c, dx, dc)
+
+    def pull(self, x, c, ct, *, wanted):
+        CALLS.append((f"nudft_vjp {wanted}", x.shape))
+        return super().pull(x, c, ct, wanted=wanted)
+
+
+def partly_linear(axis_type="Auto") -> dict:
+    """A partly linear op split over its points: every derivative runs on local blocks,
+    each rule the one the derivative needs."""
+    checks = {}
+    devices = len(jax.devices())
+    mesh = jax.make_mesh((devices,), ("d",), axis_types=(getattr(AxisType, axis_type),))
+    m = 4 * devices
+    x = np.linspace(0.1, 6.0, m)
+    c = _rng_array((m,), "complex128", 8)
+    X, C = (jax.device_put(v, NamedSharding(mesh, P("d"))) for v in (x, c))
+    op = ShardedNudft()
+    local = (m // devices,)
+
+    def loss(f):
+        return lambda x, c: jnp.sum(jnp.abs(f(x, c)) ** 2)
+
+    cases = {
+        "grad c": (jax.grad(loss(op), 1), jax.grad(loss(nudft_ref), 1), {"nudft", "nudft_t"}),
+        "grad x": (jax.grad(loss(op), 0), jax.grad(loss(nudft_ref), 0),
+                   {"nudft", "nudft_vjp (True, False)"}),
+        "grad both": (jax.grad(loss(op), (0, 1)), jax.grad(loss(nudft_ref), (0, 1)),
+                      {"nudft", "nudft_vjp (True, True)"}),
+        "jvp c": (lambda x, c: jax.jvp(lambda c: op(x, c), (c,), (c,)),
+                  lambda x, c: jax.jvp(lambda c: nudft_ref(x, c), (c,), (c,)), {"nudft"}),
+        "jvp x": (lambda x, c: jax.jvp(lambda x: op(x, c), (x,), (x,)),
+                  lambda x, c: jax.jvp(lambda x: nudft_ref(x, c), (x,), (x,)),
+                  {"nudft", "nudft_jvp (True, False)"}),
+    }
+    with (jax.set_mesh(mesh) if axis_type == "Explicit" else _nothing()):
+        for name, (f, ref, rules) in cases.items():
+            g = jax.jit(f)
+            checks[f"{name}: no gather"] = _no_gather(g.lower(X, C).compile().as_text())
+            seen = _calls(g, X, C)
+            checks[f"{name}: local blocks"] = _all_shapes(seen, local)
+            checks[f"{name}: rules"] = {r for r, _ in seen} == rules or sorted(seen)
+            got, want = jax.tree.leaves(g(X, C)), jax.tree.leaves(ref(x, c))
+            checks[f"{name}: value"] = all(_close(a, b) for a, b in zip(got, want))
+    return checks
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 SCENARIOS = {"automatic": automatic, "explicit": explicit, "undeclared_scan": undeclared_scan,
-             "processes": processes}
+             "processes": processes, "partly_linear": partly_linear}
 
 
 def main(argv) -> None:

@@ -143,6 +143,31 @@ class Tree(jd.Primitive):
         return ct
 
 
+class Wave(jd.Primitive, linear=("c",), sharding="i, i -> i"):
+    """c * sin(x): linear in c (a @transpose), differentiable in x through a @jvp that
+    takes None for a zero tangent and a @vjp that takes which cotangents are wanted."""
+
+    @jd.abstract
+    def shapes(self, x, c):
+        return jax.ShapeDtypeStruct(c.shape, c.dtype)
+
+    @jd.forward
+    def apply(self, x, c):
+        return c * np.sin(x)
+
+    @jd.transpose
+    def apply_t(self, x, ct):
+        return np.sin(x) * ct
+
+    @jd.jvp(zeros=True)
+    def push(self, x, c, dx, dc):
+        return (0 if dx is None else c * np.cos(x) * dx) + (0 if dc is None else np.sin(x) * dc)
+
+    @jd.vjp
+    def pull(self, x, c, ct, *, wanted):
+        return (c * np.cos(x) * ct if wanted[0] else None), (np.sin(x) * ct if wanted[1] else None)
+
+
 class Opaque(jd.Primitive):
     """Holds an object with no saved form: export refuses, naming the attribute."""
 
@@ -178,3 +203,25 @@ def twin(x, m):
     y = jnp.linalg.solve(jnp.asarray(A), y)
     z = m @ x[:4] + (m * m).sum(axis=1)
     return jnp.sum(y * z) + jnp.sum((m + jnp.array([1.0, 2.0, 1.0, 2.0])) ** 2)
+
+
+def derivatives(x, m):
+    """A partly linear op's derivatives, each in one of its inputs: a vjp asked for one
+    cotangent, a transpose, a jvp that carries one tangent."""
+    c = m[:, 0]
+
+    def loss(x, c):
+        return jax.numpy.sum(Wave()(x, c) ** 2)
+
+    return (jax.grad(loss, 0)(x, c), jax.grad(loss, 1)(x, c),
+            jax.jvp(lambda x: Wave()(x, c), (x,), (x,))[1])
+
+
+def derivatives_twin(x, m):
+    c = m[:, 0]
+
+    def loss(x, c):
+        return jax.numpy.sum((c * jax.numpy.sin(x)) ** 2)
+
+    return (jax.grad(loss, 0)(x, c), jax.grad(loss, 1)(x, c),
+            jax.jvp(lambda x: c * jax.numpy.sin(x), (x,), (x,))[1])

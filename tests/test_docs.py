@@ -64,7 +64,8 @@ def test_docs_have_examples_and_pages():
                  "ecosystem.md"]:
         assert page in names, page
     for concept in ["declaring", "derivatives", "batching", "pytrees", "sharding", "saving",
-                    "residuals", "c-kernels", "errors-and-debugging", "performance"]:
+                    "residuals", "c-kernels", "gpu", "checking", "errors-and-debugging",
+                    "performance"]:
         assert f"concepts/{concept}.md" in names, concept
 
 

@@ -399,6 +399,68 @@ class XExpYSaved(jd.Primitive):
         return np.where(finite, saved["exp"] * ct, 0), np.where(finite, result * ct, 0)
 
 
+class Wave(jd.Primitive, linear=("c",)):
+    """(l) partly linear: c * sin(x), linear in c (a @transpose), differentiable in x
+    through a @jvp that receives None for a zero tangent and a @vjp told which cotangents
+    are wanted."""
+
+    @jd.abstract
+    def shapes(self, x, c):
+        return _same(c)
+
+    @jd.forward
+    def apply(self, x, c):
+        return (c * np.sin(x)).astype(c.dtype)
+
+    @jd.transpose
+    def apply_t(self, x, ct):
+        return (np.sin(x) * ct).astype(ct.dtype)
+
+    @jd.jvp(zeros=True)
+    def push(self, x, c, dx, dc):
+        out = np.zeros(c.shape, c.dtype)
+        if dx is not None:
+            out += c * np.cos(x) * dx
+        if dc is not None:
+            out += np.sin(x) * dc
+        return out
+
+    @jd.vjp
+    def pull(self, x, c, ct, *, wanted):
+        dx = (c * np.cos(x) * ct).astype(x.dtype) if wanted[0] else None
+        return dx, ((np.sin(x) * ct).astype(c.dtype) if wanted[1] else None)
+
+
+class MulZInto(jd.Primitive):
+    """(m) symbolic zeros, zero-copy: x * y**2; the @jvp(zeros=True) gets None for a zero
+    tangent, the @vjp fills only the cotangents wanted (`out` holds None for the others)."""
+
+    @jd.abstract
+    def shapes(self, x, y):
+        return _same(x)
+
+    @jd.forward
+    def apply(self, x, y, *, out):
+        np.multiply(x, y**2, out=out)
+
+    @jd.jvp(zeros=True)
+    def push(self, x, y, dx, dy, *, out):
+        out[...] = 0
+        if dx is not None:
+            out += y**2 * dx
+        if dy is not None:
+            out += 2 * x * y * dy
+
+    @jd.vjp
+    def pull(self, x, y, ct, *, out, wanted):
+        ct_x, ct_y = out
+        assert (ct_x is not None, ct_y is not None) == wanted
+        if wanted[0]:
+            np.multiply(y**2, ct, out=ct_x)
+        if wanted[1]:
+            np.multiply(2 * x * y, ct, out=ct_y)
+
+
 # ---------------------------------------------------------------------------
 # Forms: an op, its reference and example inputs
 # ---------------------------------------------------------------------------
@@ -414,12 +476,13 @@ class Form:
     dtypes: tuple
     in_axes: tuple  # vmap in_axes, one per input: an axis, None or a pytree prefix of the input
     scalars: Callable | None  # args -> the same inputs with Python scalars where they fit
-    linear: str = ""  # "linear" or "multilinear"
+    linear: str = ""  # "linear", "multilinear" or "partly" (linear in its last input)
 
 
 _OPS = {"return": XSinY(), "out": XSinYInto(), "linear": MatVec(), "multilinear": Product(),
         "nondiff": ScaledRoll(), "multi_output": SumProdBigger(), "float_and_int": ScaleCount(),
-        "pytree": AffineSin(), "pytree_out": StatsInto(), "residuals": XExpYSaved()}
+        "pytree": AffineSin(), "pytree_out": StatsInto(), "residuals": XExpYSaved(),
+        "partly_linear": Wave(), "zeros": MulZInto()}
 
 
 def _shared(name):
@@ -486,6 +549,13 @@ FORMS = {
     "residuals": Form(
         _shared("residuals"), lambda x, y: x * jnp.exp(y), _pair((3,)), ("x", "y"), (0, 1),
         ("float32", "float64", "complex128"), (0, None), _python_scalars),
+    "partly_linear": Form(
+        _shared("partly_linear"), lambda x, c: c * jnp.sin(x), _pair((3,)), ("x", "c"),
+        (0, 1), ("float32", "float64", "complex128"), (0, None), _python_scalars,
+        linear="partly"),
+    "zeros": Form(
+        _shared("zeros"), lambda x, y: x * y**2, _pair((2, 3)), ("x", "y"), (0, 1),
+        ("float32", "float64", "complex128"), (None, 1), _python_scalars),
 }
 
 _ARANGE = {dtype: Arange(dtype) for dtype in FORMS["no_inputs"].dtypes}
@@ -831,6 +901,10 @@ def ctx_linear_transpose(s):
                jax.linear_transpose(s.ref, *s.args)(ct), s.dtype)
         return
     x, y = s.args
+    if s.form.linear == "partly":  # in its linear input only (else: test_partly_linear)
+        _close(jax.linear_transpose(lambda v: s.op(x, v), y)(ct),
+               jax.linear_transpose(lambda v: s.ref(x, v), y)(ct), s.dtype)
+        return
     _close(jax.linear_transpose(lambda v: s.op(v, y), x)(ct),
            jax.linear_transpose(lambda v: s.ref(v, y), x)(ct), s.dtype)
     _close(jax.linear_transpose(lambda v: s.op(x, v), y)(ct),
@@ -864,7 +938,7 @@ def _several_inputs(form):
 def _linear(form):
     if not form.names:
         return NO_INPUTS
-    return None if form.linear else "the op is not declared linear or multilinear"
+    return None if form.linear else "the op is not declared linear (in any input) or multilinear"
 
 
 def _scalars(form):

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import typing
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -22,6 +23,7 @@ from jaxdecl._op import handle as _op
 from jaxdecl._transforms import recipes as _recipes
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # ops_saved, the ops' module
+import ops_saved  # noqa: E402
 
 
 class Color(enum.Enum):
@@ -86,12 +88,13 @@ def test_restoring_never_imports():
 # refused with a message naming the jaxdecl and the format on both sides and what to do.
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-VERSION, FORMAT = jd.__version__, _recipes.FORMAT
+VERSION, FORMAT, OLDEST = jd.__version__, _recipes.FORMAT, _recipes.OLDEST
 
 #: Every recipe format and the kernel ABI its recipes rebuild kernels for. A new kernel ABI
 #: needs a new format (a recipe of the old one would rebuild a kernel in the new order for a
-#: program compiled against the old order): add the pair here when you bump both.
-FORMATS = {1: "jaxdecl-kernel-1"}
+#: program compiled against the old order), which becomes the oldest read: add the pair here
+#: when you bump both. Formats 1 and 2 share one ABI: 2 adds the active leaves.
+FORMATS = {1: "jaxdecl-kernel-1", 2: "jaxdecl-kernel-1"}
 
 OLDER = ("this program was saved by jaxdecl {saved_by} (recipe format {saved}); this is "
          "jaxdecl {version} (recipe format {format}), which no longer reads format {saved}: "
@@ -101,18 +104,35 @@ NEWER = ("this program was saved by jaxdecl {saved_by} (recipe format {saved}); 
          "{saved}: load the program with jaxdecl {saved_by}, or save it again with jaxdecl "
          "{version}")
 MISSING = ("this program was saved by jaxdecl {saved_by} (no recipe format); this is jaxdecl "
-           "{version} (recipe format {format}), which reads only format {format}: save the "
-           "program again with jaxdecl {version}")
+           "{version} (recipe format {format}), which reads formats {oldest} to {format}: save "
+           "the program again with jaxdecl {version}")
 
 
 def _refusal(template, saved_by, saved=None):
-    return template.format(saved_by=saved_by, saved=saved, version=VERSION, format=FORMAT)
+    return template.format(saved_by=saved_by, saved=saved, version=VERSION, format=FORMAT,
+                           oldest=OLDEST)
 
 
 def test_a_new_kernel_abi_comes_with_a_new_recipe_format():
     assert FORMATS.get(FORMAT) == _op._KERNEL_ABI, (
         "the recipe format and the kernel ABI changed apart: bump _recipes.FORMAT with "
         "_op._KERNEL_ABI and add the pair to FORMATS")
+    # every format read rebuilds kernels of this ABI
+    assert {FORMATS[f] for f in range(OLDEST, FORMAT + 1)} == {_op._KERNEL_ABI}
+
+
+def test_a_recipe_is_written_in_the_oldest_format_that_describes_it():
+    """An equation of every derivative leaf has format 1's recipe (an older jaxdecl loads
+    the program); one that carries some of them needs format 2, which names them."""
+    op = ops_saved.Wave()
+    x = jnp.linspace(0.1, 0.8, 4)
+    for f, wanted in ((lambda x: op(x, x), OLDEST), (jax.grad(lambda x: op(x, 2 * x).sum()),
+                                                      OLDEST),
+                      (jax.grad(lambda x: op(x, jnp.ones(4)).sum()), FORMAT)):
+        text = jax.jit(f).lower(x).as_text()
+        formats = {int(m) for m in re.findall(r"\\22format\\22:(\d+)", text)}
+        assert max(formats) == wanted, (formats, text[:300])
+    assert "active" not in jax.jit(lambda x: op(x, x)).lower(x).as_text()
 
 
 def test_the_documented_formats_are_the_known_ones():
@@ -122,7 +142,7 @@ def test_the_documented_formats_are_the_known_ones():
 
 
 @pytest.mark.parametrize("fields, template, saved_by, saved", [
-    ({"format": FORMAT - 1, "jaxdecl": "0.0.1"}, OLDER, "0.0.1", FORMAT - 1),
+    ({"format": OLDEST - 1, "jaxdecl": "0.0.1"}, OLDER, "0.0.1", OLDEST - 1),
     ({"format": FORMAT + 1, "jaxdecl": "99.0"}, NEWER, "99.0", FORMAT + 1),
     ({"jaxdecl": "0.0.1"}, MISSING, "0.0.1", None),
     ({"format": str(FORMAT), "jaxdecl": "0.0.1"}, MISSING, "0.0.1", None),  # not a number
@@ -172,8 +192,9 @@ print(json.dumps(results))
 
 # name: (the format written, the jaxdecl written, Scale's factor). One op each, of factors no
 # other test uses: the lowerings made under another format must not serve anyone else.
-CASES = {"current": (FORMAT, VERSION, 2.25), "older": (FORMAT - 1, "0.0.1", 3.25),
-         "newer": (FORMAT + 1, "99.0", 5.25), "missing": (FORMAT, VERSION, 7.25)}
+CASES = {"current": (FORMAT, VERSION, 2.25), "oldest": (OLDEST, VERSION, 9.25),
+         "older": (OLDEST - 1, "0.0.1", 3.25), "newer": (FORMAT + 1, "99.0", 5.25),
+         "missing": (FORMAT, VERSION, 7.25)}
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +207,7 @@ def loaded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("formats")
     with pytest.MonkeyPatch.context() as patch:
         for name, (written, version, factor) in CASES.items():
-            patch.setattr(_recipes, "FORMAT", written)
+            patch.setattr(_recipes, "format_of", lambda eqn, written=written: written)
             patch.setattr(_recipes, "VERSION", version)
             exported = jax.export.export(jax.jit(ops_saved.Scale(factor)),
                                          disabled_checks=jd.disabled_checks())(
@@ -204,8 +225,9 @@ def loaded(tmp_path_factory):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_a_program_of_the_current_format_loads_in_a_fresh_process(loaded):
+def test_a_program_of_a_format_it_reads_loads_in_a_fresh_process(loaded):
     assert loaded["current"] == [0.0, 2.25, 4.5]
+    assert loaded["oldest"] == [0.0, 9.25, 18.5]
 
 
 @pytest.mark.parametrize("name, template", [("older", OLDER), ("newer", NEWER),

@@ -133,6 +133,19 @@ def test_multi_device(scenario):
     assert len(checks) > 10
 
 
+@needs_split
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_partly_linear_op_runs_per_shard_on_two_devices(axis_type):
+    """Split over its points (a sum over them): grad and jvp in the strengths run the
+    forward and the transpose, in the points the jvp or the vjp asked for one cotangent,
+    each on its device's block, with no gather."""
+    checks = run_helper([sys.executable, HELPER, "partly_linear", axis_type], timeout=300,
+                        JAXDECL_TEST_DEVICES="2")
+    failed = {name: value for name, value in checks.items() if value is not True}
+    assert not failed, failed
+    assert len(checks) == 20
+
+
 def test_an_undeclared_op_types_its_result_like_its_operand_in_a_scan():
     """Over Explicit mesh axes an op without a declaration types a result like the operand
     of its shape (a split scan carry stays split, or JAX refuses the scan), eager and

@@ -1,9 +1,11 @@
 """Derivatives.
 
-``@jvp``/``@vjp`` rules for a nonlinear op (traceable, for Hessians), and
+``@jvp``/``@vjp`` rules for a nonlinear op (traceable, for Hessians),
 ``@transpose`` for a linear FFT op, whose derivatives of every order then come
-for free. Each result is printed next to the same computation written in pure
-``jax.numpy``.
+for free, and both for a partly linear op (a sum of sines, linear in its
+amplitudes, smooth in its frequencies), whose rules see which tangents are
+zero and which cotangents are wanted. Each result is printed next to the same
+computation written in pure ``jax.numpy``.
 """
 
 import jax
@@ -104,8 +106,64 @@ show(
 )
 show("hessian (under jit)", jax.jit(jax.hessian(power))(x), jax.hessian(power_ref)(x))
 
+# ---------------------------------------------------------------------------
+# 3. A partly linear op: y(t) = sum_j a_j sin(w_j t), linear in a, smooth in w
+# ---------------------------------------------------------------------------
+# linear=("a",) names the inputs the op is linear in; the others stay
+# differentiable. @transpose takes the other inputs (w), then the cotangent, and
+# returns the cotangent of a: derivatives in a alone run the forward and the
+# transpose, never @jvp/@vjp. @jvp covers w; with zeros=True a tangent that is
+# zero arrives as None (jvp in w alone: da is None), and @vjp's `wanted` says
+# which cotangents grad asks for.
+
+T = np.linspace(0.0, 1.0, 5)  # the sample times: configuration, fixed
+calls = []
+
+
+class Sines(jd.Primitive, linear=("a",)):
+    @jd.abstract
+    def shapes(self, w, a):
+        return jax.ShapeDtypeStruct(T.shape, a.dtype)
+
+    @jd.forward
+    def apply(self, w, a):
+        return np.sin(np.outer(T, w)) @ a
+
+    @jd.transpose
+    def apply_t(self, w, ct):
+        calls.append("transpose")
+        return np.sin(np.outer(T, w)).T @ ct
+
+    @jd.jvp(traceable=True, zeros=True)
+    def push(self, w, a, dw, da):
+        out = 0.0
+        if dw is not None:  # d/dw_j of a_j sin(w_j t) is a_j t cos(w_j t)
+            out = out + T * (jnp.cos(jnp.outer(T, w)) @ (a * dw))
+        if da is not None:  # linear in a: the op itself
+            out = out + self(w, da)
+        return out
+
+    @jd.vjp
+    def pull(self, w, a, ct, *, wanted):
+        calls.append(f"vjp {wanted}")
+        dw = a * (np.cos(np.outer(T, w)).T @ (T * ct)) if wanted[0] else None
+        return dw, (np.sin(np.outer(T, w)).T @ ct if wanted[1] else None)
+
+
+sines = Sines()
+w, a = np.array([1.0, 3.0, 7.0]), np.array([0.5, -1.0, 2.0])
+fit = lambda w, a: jnp.sum((sines(w, a) - 1.0) ** 2)
+fit_ref = lambda w, a: jnp.sum((jnp.sin(jnp.outer(T, w)) @ a - 1.0) ** 2)
+
+show("grad in a (forward and transpose)", jax.grad(fit, 1)(w, a), jax.grad(fit_ref, 1)(w, a))
+show("grad in w (vjp asked for w)", jax.grad(fit, 0)(w, a), jax.grad(fit_ref, 0)(w, a))
+print("rules run:", calls)
+show("hessian in (w, a) (under jit)", jax.jit(jax.hessian(fit, (0, 1)))(w, a)[0][1],
+     jax.hessian(fit_ref, (0, 1))(w, a)[0][1])
+
 # Before trusting a new op, let jd.check test every rule (finite differences,
 # dot-product tests, jit, vmap): it raises an AssertionError naming the wrong rule.
 jd.check(sin_times, x)
 jd.check(fft, xc)
-print("jd.check passed for both ops")
+jd.check(sines, w, a)
+print("jd.check passed for the three ops")

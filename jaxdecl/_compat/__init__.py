@@ -61,6 +61,7 @@ from .lowering import (  # noqa: F401
     for_export,
     ir,
     register_batch_partitionable,
+    register_lowering,
     reshape,
     sdy_rule_attribute,
     serializable_partition_callbacks,

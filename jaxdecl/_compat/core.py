@@ -151,15 +151,29 @@ def hide_frames(path: str) -> None:
         pass
 
 
-def register_ffi_state_type(name: str, registration: dict) -> None:
-    """Registers an FFI state type (``{"type_id": capsule, "type_info": capsule}``) on CPU, now.
+def register_ffi_state_type(name: str, registration: dict, platform: str = "cpu") -> None:
+    """Registers an FFI state type (``{"type_id": capsule, "type_info": capsule}``).
 
-    XLA takes a type only before the handlers that use it, and a CPU client
-    that starts later registers JAX's queued handlers before its queued types:
-    so the type goes straight to XLA's process-wide registry, which needs no
-    client. Newer jaxlibs take the type's deleter with it
+    On CPU, now: XLA takes a type only before the handlers that use it, and a
+    CPU client that starts later registers JAX's queued handlers before its
+    queued types: so the type goes straight to XLA's process-wide registry,
+    which needs no client. Newer jaxlibs take the type's deleter with it
     (``register_custom_type``); older ones only its id.
+
+    On another platform (``"CUDA"``) through JAX, which queues it until that
+    platform's plugin starts (its registry is the plugin's own, with ids of its
+    own: each platform needs a type id of its own). A CPU-only install only
+    queues it.
     """
+    import jax
+
+    if platform != "cpu":
+        register = getattr(jax.ffi, "register_ffi_type", None)
+        if register is not None:
+            register(name, registration, platform=platform)
+        else:  # pragma: no cover - older
+            jax.ffi.register_ffi_type_id(name, registration["type_id"], platform=platform)
+        return
     from jaxlib import xla_client
 
     xla_module = xla_client._xla

@@ -43,6 +43,15 @@ def for_export(ctx) -> bool:
     return bool(getattr(ctx.module_context.lowering_parameters, "for_export", False))
 
 
+def register_lowering(primitive, rule) -> None:
+    """Registers `rule` as `primitive`'s lowering on every platform: one rule, so that a
+    program lowered for several platforms at once (``jax.export(...,
+    platforms=["cpu", "cuda"])``) holds the rule's code once, with no switch on the
+    platform (JAX emits a switch as soon as two platforms have rules of their own, even
+    the same one). The rule itself refuses platforms it cannot serve."""
+    mlir.register_lowering(primitive, rule)
+
+
 def register_batch_partitionable(name: str) -> None:
     """Lets XLA split FFI target `name` along its leading dims with no callback.
 

@@ -1,4 +1,5 @@
-"""jaxdecl's XLA FFI dispatcher (CPU), built from csrc/ (module.cc is its Python face)."""
+"""jaxdecl's XLA FFI dispatcher (CPU and CUDA), built from csrc/ (module.cc and
+csrc/gpu/module_gpu.cc are its Python face)."""
 
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,22 +19,32 @@ def register_kernel(fingerprint_hi: int, fingerprint_lo: int, name: str,
                     on_escape: Callable[[bool, int, str | None, bool], str],
                     instance_ref: Any, direct: Callable[..., None] | None = None,
                     on_failure: Callable[..., str] | None = None,
-                    rows: Sequence[int] = ()) -> int:
+                    rows: Sequence[int] = (),
+                    device_call: Callable[[tuple, tuple, int, int, bool], str | None] | None
+                    = None, gpu_address: int = 0, gpu_keepalive: Any = None,
+                    gpu_operands: Sequence[int] = ()) -> int:
     """Registers a host kernel until release_kernel; returns its slot (>= 1).
 
     With `direct` (a zero-copy rule taking ``[instance,] *inputs, out=output``)
     the dispatcher calls the rule itself, and ``on_failure(exc, returned,
     inputs, outputs, eager)`` makes the error message when it fails. With
-    `rows` (``batch="loop"``'s batch dims) it runs the kernel once per row."""
+    `rows` (``batch="loop"``'s batch dims) it runs the kernel once per row.
+    `device_call` (a device kernel: ``(inputs, outputs, stream, ordinal, eager)``,
+    each buffer an ``(address, shape, type code)``) or `gpu_address` (a
+    ``jaxdecl_gpu_kernel``, taking the operands `gpu_operands`; all if empty) is
+    the kernel's device rule, which the CUDA handlers run instead of staging."""
 
 def register_c_kernel(fingerprint_hi: int, fingerprint_lo: int, name: str, address: int,
                       keepalive: Any, operands: Sequence[int] = (), rows: Sequence[int] = (),
-                      conj_from: int = -1) -> int:
+                      conj_from: int = -1,
+                      device_call: Callable[[tuple, tuple, int, int, bool], str | None] | None
+                      = None, gpu_address: int = 0, gpu_keepalive: Any = None) -> int:
     """Registers a C kernel (jaxdecl.h) until release_kernel; returns its slot.
 
     `operands`: the indices of the operands it takes (all if empty); `rows`:
     ``batch="loop"``'s batch dims, run once per row; `conj_from`: for an
-    adjoint, the first operand conjugated before the call (results after)."""
+    adjoint, the first operand conjugated before the call (results after);
+    `device_call`/`gpu_address`: a device rule, as for register_kernel."""
 
 def release_kernel(slot: int) -> bool:
     """Drops a registration; False if the slot held none."""
@@ -62,3 +73,61 @@ def call_site_count() -> int:
 
 def release_pending() -> None:
     """Drops now the references that destroyed call sites left to drop later."""
+
+
+# --- CUDA (csrc/gpu/) ------------------------------------------------------------------------
+
+def gpu_registrations() -> dict[str, Any]:
+    """The CUDA handlers, for jax.ffi.register_ffi_target on 'CUDA' (the CPU targets' names)."""
+
+def gpu_call_site_type() -> dict[str, Any]:
+    """The FFI state type of compiled call sites on CUDA ({'type_id': ..., 'type_info': ...})."""
+
+def set_cuda_candidates(paths: Sequence[str]) -> None:
+    """Where to look for libcudart when JAX's CUDA plugin has loaded none."""
+
+def cuda_runtime_origin() -> str | None:
+    """Where the CUDA runtime the handlers use comes from (loading it if needed), or None."""
+
+def copy_on_device(dst: int, src: int, bytes: int, stream: int) -> None:
+    """Enqueues a device-to-device copy on `stream` (RuntimeError naming the CUDA error)."""
+
+def zero_on_device(dst: int, bytes: int, stream: int) -> None:
+    """Enqueues zeroing `bytes` bytes of device memory on `stream`."""
+
+def synchronize_stream(stream: int) -> None:
+    """Waits, without the GIL, until `stream` is idle."""
+
+def stream_wait(consumer: int, producer: int) -> None:
+    """Makes `consumer` wait for the work queued so far on `producer`."""
+
+def dlpack_capsule(owner: Any, address: int, shape: Sequence[int], code: int, device_type: int,
+                   device_id: int, read_only: bool, versioned: bool) -> Any:
+    """A DLPack capsule ("dltensor" or "dltensor_versioned") of `owner`'s memory."""
+
+def use_fake_cuda(fail: str = "", on: int = 0, code: int = 0, sticky: bool = False) -> None:
+    """Tests: the fake CUDA runtime (host memory as the device); `fail` (a runtime function
+    such as 'MemcpyAsync') fails with `code` on its `on`-th call (and after, if `sticky`)."""
+
+def use_real_cuda() -> None:
+    """Tests: the real CUDA runtime again (loaded on first use)."""
+
+def fake_cuda_log() -> list[tuple[str, list[int]]]:
+    """Tests: the fake runtime's calls since the last look, as (function, arguments)."""
+
+def fake_cuda_live() -> tuple[int, int]:
+    """Tests: the fake runtime's live (pinned allocations, events)."""
+
+class StagedSite:
+    """Tests: a CUDA call site whose device buffers are host memory (use the fake runtime)."""
+
+    def run(self, slot: int, inputs: Sequence[tuple], outputs: Sequence[tuple],
+            ordinal: int = 0, stream: int = 0, drop: int = 0) -> str | None:
+        """Runs the kernel in `slot` as the CUDA handler does; None or the error message."""
+
+    def run_eager(self, slot: tuple, inputs: Sequence[tuple], outputs: Sequence[tuple],
+                  ordinal: int = 0, stream: int = 0) -> str | None:
+        """Runs the eager CUDA handler: `slot` is the device scalar naming the kernel."""
+
+    def pools(self) -> list[tuple[int, list[int], list[int]]]:
+        """(ordinal, pinned addresses, capacities) of each pool kept."""

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 import numpy as np
 
 from .. import _compat
 from .._errors import RuleError
-from .._spec.rule_io import OPERANDS, RESULTS, RuleIO
+from .._spec.rule_io import OPERANDS, RESULTS, VALUE, RuleIO
 from . import kernels as _kernels
 from . import structure as _structure
 
@@ -34,8 +33,8 @@ from . import structure as _structure
 def _keyword_values(keywords, operands, outs) -> dict:
     values = {}
     for keyword in keywords:
-        if keyword.source is None:
-            values[keyword.name] = None
+        if keyword.source is None or keyword.source == VALUE:
+            values[keyword.name] = keyword.value
             continue
         packed = _structure.pack(keyword.groups, operands if keyword.source == OPERANDS
                                  else outs)
@@ -160,15 +159,15 @@ def c_operands(io: RuleIO) -> tuple:
     return () if len(keep) == len(io.in_names) else tuple(keep)
 
 
-def traceable_rule(function, io: RuleIO, context: str):
-    """A traceable rule with extras as ``f(*flat operands) -> list of flat results``."""
+def traceable_rule(function, io: RuleIO, context: str, symbolic: bool = False):
+    """A traceable rule with keyword arguments or extras as ``f(*flat operands) -> list of
+    flat results`` (None results left None where `symbolic`, else zeros)."""
     keywords = io.keywords
 
     def evaluate(*operands):
         operands = _compat.plain_values(operands)
         returned = function(*_structure.pack(io.args, operands),
                             **_keyword_values(keywords, operands, None))
-        flat = _structure.unpack(io, returned, context)
-        return [jnp.zeros(*aval) if x is None else x for x, aval in zip(flat, io.out_avals)]
+        return _structure.filled(_structure.unpack(io, returned, context), io, symbolic)
 
     return evaluate

@@ -83,6 +83,8 @@ except ImportError as error:  # a source tree whose extension was never built
         f"built or does not load ({error}): run `pip install -e .` in the source tree, or "
         f"install jaxdecl with `pip install jaxdecl`") from None
 
+from . import cuda as _cuda  # noqa: E402 - once the extension is known to load
+
 _SET_UP = False
 
 
@@ -93,8 +95,9 @@ def set_up(resolver) -> None:
     stale-reference hook of its escape check and `resolver` (which rebuilds a
     compiled call's kernel from its recipe, see
     :func:`jaxdecl._transforms.recipes.resolve`), and registers its FFI
-    targets. ``import jaxdecl`` runs it, so that a process that loads a saved
-    program before it creates any op finds the handlers. It starts no backend
+    targets on CPU and on CUDA (:mod:`jaxdecl._host.cuda`). ``import jaxdecl``
+    runs it, so that a process that loads a saved program before it creates
+    any op finds the handlers. It starts no backend
     (a program may still call ``jax.distributed.initialize`` or set the device
     count after importing jaxdecl).
     """
@@ -111,6 +114,7 @@ def set_up(resolver) -> None:
     _compat.register_ffi_state_type("jaxdecl_call_site", call_site_type())
     for target, handler in registrations().items():
         jax.ffi.register_ffi_target(target, handler, platform="cpu")
+    _cuda.set_up()  # the same targets on CUDA (queued; nothing is loaded)
     _compat.register_batch_partitionable(SPLIT_TARGET)
     _SET_UP = True
 
@@ -235,25 +239,43 @@ def _unpickled_keepalive() -> KeepAlive:
     return KeepAlive(None, None)
 
 
-def register(fingerprint: tuple, name: str, host, instance_ref) -> Kernel:
+def _device_arguments(device) -> dict:
+    """What the dispatcher takes of a device rule: a Python device kernel
+    (:mod:`jaxdecl._host.device_kernels`), or a GPU C kernel and its code's owner."""
+    if device is None:
+        return {}
+    if isinstance(device, CFunction):
+        return {"gpu_address": device.address, "gpu_keepalive": device.keepalive}
+    return {"device_call": device}
+
+
+def register(fingerprint: tuple, name: str, host, instance_ref, *, device=None,
+             operands=()) -> Kernel:
     """Registers a :class:`~jaxdecl._host.kernels.HostKernel`; it stays registered while
-    the returned Kernel lives."""
+    the returned Kernel lives.
+
+    `device`: the kernel's device rule, run by the CUDA handlers instead of staging
+    the host one (a device kernel, or a GPU C kernel given `operands` as
+    :func:`register_c` is).
+    """
     hi, lo = fingerprint
     slot = register_kernel(hi, lo, name, host.call, host.on_escape, instance_ref,
-                                     host.direct, host.on_failure, host.rows)
+                           host.direct, host.on_failure, host.rows,
+                           gpu_operands=list(operands), **_device_arguments(device))
     return Kernel(slot, fingerprint, name, instance_ref)
 
 
 def register_c(fingerprint: tuple, name: str, function: CFunction, *, operands=(),
-               rows=(), conj_from: int = -1) -> Kernel:
+               rows=(), conj_from: int = -1, device=None) -> Kernel:
     """Registers a :class:`~jaxdecl.CFunction`; XLA calls it without the GIL.
 
     `operands`: the indices of the operands it takes (all if empty); `rows`:
     ``batch="loop"``'s batch dims, run one row at a time by the dispatcher;
     `conj_from`: for an adjoint rule, the first operand conjugated (see
-    :func:`jaxdecl._host.kernels.transpose_from_adjoint`), else -1.
+    :func:`jaxdecl._host.kernels.transpose_from_adjoint`), else -1; `device`: as
+    for :func:`register`.
     """
     hi, lo = fingerprint
     slot = register_c_kernel(hi, lo, name, function.address, function.keepalive,
-                                       operands, rows, conj_from)
+                             operands, rows, conj_from, **_device_arguments(device))
     return Kernel(slot, fingerprint, name, None)

@@ -55,8 +55,8 @@ def pack(groups, values) -> list:
     """The rule's arguments: each group's pytree with `values` at its leaves."""
     args = []
     for group in groups:
-        if group.tree is None:
-            args.append(values[group.positions[0]])
+        if group.tree is None:  # (-1: no value there, a zero tangent or an unwanted result)
+            args.append(None if group.positions[0] < 0 else values[group.positions[0]])
         else:
             args.append(group.tree.unflatten([None if s < 0 else values[s]
                                               for s in group.positions]))
@@ -172,7 +172,7 @@ def structured_rule(function, io: RuleIO, zero_copy: bool, context: str,
     """
     args_groups, result_groups, single = io.args, io.results, io.single_result
     pack_args = packer(args_groups)
-    if all(g.tree is None for g in result_groups):
+    if all(g.tree is None and g.positions[0] >= 0 for g in result_groups):
         rule = _argument_packing_rule(function, args_groups, len(io.in_names), zero_copy, n_head)
         return rule, io
     if zero_copy:
@@ -242,22 +242,34 @@ def packer(groups):
              (-1, g.tree.unflatten, g.positions) for g in groups]
 
     def pack_values(values):
-        return [values[index] if unflatten is None else
+        return [(None if index < 0 else values[index]) if unflatten is None else
                 unflatten([None if s < 0 else values[s] for s in slots])
                 for index, unflatten, slots in steps]
 
     return pack_values
 
 
-def traceable_rule(function, io: RuleIO, context: str):
-    """A traceable rule as ``f(*flat operands) -> list of flat results``, zeros filled."""
+def traceable_rule(function, io: RuleIO, context: str, symbolic: bool = False):
+    """A traceable rule as ``f(*flat operands) -> list of flat results``, zeros filled
+    (left None where `symbolic`: the caller makes them symbolic zeros)."""
+    direct = not io.structured and all(g.tree is None and g.positions == (k,)
+                                       for k, g in enumerate(io.args))
+
     def evaluate(*operands):
         operands = _compat.plain_values(operands)
-        if not io.structured:
+        if direct:
             result = function(*operands)
             flat = list(result) if isinstance(result, (tuple, list)) else [result]
         else:
             flat = unpack(io, function(*pack(io.args, operands)), context)
-        return [jnp.zeros(*aval) if x is None else x for x, aval in zip(flat, io.out_avals)]
+        return filled(flat, io, symbolic)
 
     return evaluate
+
+
+def filled(flat, io: RuleIO, symbolic: bool = False) -> list:
+    """A traceable rule's flat results: zeros for None (kept None where `symbolic`), and
+    the real part of a complex cotangent of a real input (as JAX keeps it)."""
+    return [(None if symbolic else jnp.zeros(*aval)) if x is None else
+            jnp.real(x) if real and jnp.iscomplexobj(x) else x
+            for x, aval, real in zip(flat, io.out_avals, io.real_results)]

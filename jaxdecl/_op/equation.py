@@ -11,7 +11,10 @@ differentiation, batching, planning and lowering to the kernel:
 - ``signature``: per primal input, its (shape, dtype) per batch element, or a
   :class:`~jaxdecl._spec.interface.TreeAval` for a pytree input;
 - ``batch``: leading batch dims every operand and result carries (operands may
-  have size 1 there, broadcasting; results never do).
+  have size 1 there, broadcasting; results never do);
+- ``active``: the input leaves whose tangents a ``jvp`` equation carries, or
+  whose cotangents a ``vjp`` or ``transpose`` equation returns (sorted leaf
+  indices); None for all of them (see :func:`jaxdecl._spec.rule_io.active_mask`).
 
 It is the primitive's one parameter, so a new field reaches every stage at
 once. Equations are equal (and hash alike) when their fields are, and JAX's
@@ -56,7 +59,7 @@ class EquationOp(Protocol):
 
 class OpHandleLike(Protocol):
     """What an equation asks the op's handle, by the equation's key (rule, wrt,
-    signature, batch) or its signature: each answer is cached on the handle."""
+    signature, batch, active) or its signature: each answer is cached on the handle."""
 
     declares_sharding: bool
     equations: dict  # equation key -> (Interface, RuleIO), filled by interface_and_io
@@ -65,7 +68,7 @@ class OpHandleLike(Protocol):
     def user_rule(self, rule: str, wrt: int = -1): ...
     def sharding(self, signature: tuple, instance): ...
     def kernel(self, key: tuple, in_shapes: tuple, instance) -> tuple: ...
-    def traceable(self, key: tuple, instance): ...
+    def traceable(self, key: tuple, instance, symbolic: bool = False): ...
 
 
 class Equation:
@@ -76,19 +79,20 @@ class Equation:
     (``io``), the op's interface at this signature, the results' avals.
     """
 
-    __slots__ = ("op", "rule", "wrt", "signature", "batch", "key", "spec", "name", "declared",
-                 "interface", "io", "out_avals", "_hash", "__weakref__")
+    __slots__ = ("op", "rule", "wrt", "signature", "batch", "active", "key", "spec", "name",
+                 "declared", "interface", "io", "out_avals", "_hash", "__weakref__")
 
     def __init__(self, op: EquationOp, rule: str, signature: tuple, batch: tuple = (),
-                 wrt: int = -1):
+                 wrt: int = -1, active: tuple | None = None):
         self.op = op
         self.rule = rule
         self.wrt = wrt
         self.signature = signature
         self.batch = batch = tuple(batch)
+        self.active = active = None if active is None else tuple(active)
         #: The equation without its op: the key of the caches the op's own handle
         #: holds (a handle keying by the whole equation would hold its own op alive).
-        self.key = key = (rule, wrt, signature, batch)
+        self.key = key = (rule, wrt, signature, batch, active)
         self._hash = hash((op.identity,) + key)
         self.spec = op.spec
         self.name = op.spec.name  # the op's class name, for messages
@@ -113,16 +117,17 @@ class Equation:
 
     def __repr__(self) -> str:
         wrt = f"[{self.wrt}]" if self.wrt >= 0 else ""
+        active = f" active={self.active}" if self.active is not None else ""
         batch = f" batch={self.batch}" if self.batch else ""
-        return f"{self.name}.{self.rule}{wrt}{batch}"
+        return f"{self.name}.{self.rule}{wrt}{active}{batch}"
 
-    def with_rule(self, rule: str, wrt: int = -1) -> Equation:
+    def with_rule(self, rule: str, wrt: int = -1, active: tuple | None = None) -> Equation:
         """The equation of another rule of the same op, at the same shapes."""
-        return Equation(self.op, rule, self.signature, self.batch, wrt)
+        return Equation(self.op, rule, self.signature, self.batch, wrt, active)
 
     def with_shapes(self, signature: tuple, batch: tuple) -> Equation:
         """The same rule at other shapes (one more batch dim, a shard's block)."""
-        return Equation(self.op, self.rule, signature, batch, self.wrt)
+        return Equation(self.op, self.rule, signature, batch, self.wrt, self.active)
 
     # --- what the op's handle knows about this equation --------------------------------
 
@@ -135,14 +140,16 @@ class Equation:
         """The user's Rule behind this equation; MissingRuleError naming what to add."""
         return self.op.handle.user_rule(self.rule, self.wrt)
 
-    def traceable(self, rule: str | None = None):
-        """This equation's rule (or the op's `rule` at its shapes) as a JAX-traceable
-        ``f(*operands) -> list``, or None (a host rule)."""
+    def traceable(self, rule: str | None = None, active: tuple | None = None,
+                  symbolic: bool = False):
+        """This equation's rule (or the op's `rule` at its shapes and `active` leaves) as a
+        JAX-traceable ``f(*operands) -> list``, or None (a host rule). With `symbolic`,
+        results the rule returned as None stay None."""
         found = self.spec.rules.get(self.rule if rule is None else rule)
         if found is None or not found.traceable:  # most rules: asked without the handle
             return None
-        key = self.key if rule is None else (rule, -1, self.signature, self.batch)
-        return self.op.handle.traceable(key, self.op.instance)
+        key = self.key if rule is None else (rule, -1, self.signature, self.batch, active)
+        return self.op.handle.traceable(key, self.op.instance, symbolic)
 
     def kernel(self, in_shapes: tuple) -> tuple:
         """``(kernel, pin)`` of this equation for operands of `in_shapes` (hold `pin`)."""
@@ -161,7 +168,7 @@ class Equation:
         """
         if self.declared:
             return _factors.rule_factors(self.sharding(), self.interface, self.rule, self.wrt,
-                                         self.batch, operand_shapes)
+                                         self.batch, operand_shapes, self.active)
         return undeclared_factors(self.batch, operand_shapes,
                                   [s for s, _ in self.out_avals],
                                   [s for s, _ in signature_leaves(self.signature)])

@@ -40,6 +40,7 @@ import threading
 
 from .. import _compat
 from .._errors import missing_rule
+from .._host import device_kernels as _device_kernels
 from .._host import kernels as _kernels
 from .._host import keyword_rules as _keyword_rules
 from .._host import registry as _runtime
@@ -111,9 +112,9 @@ class OpHandle:
         """
         io = self._rule_ios.get(key)
         if io is None:
-            rule, wrt, signature, _ = key
+            rule, wrt, signature, _, active = key
             interface = self.interface(signature, instance)
-            io = _rule_io.rule_io(self.spec, interface, rule, wrt)
+            io = _rule_io.rule_io(self.spec, interface, rule, wrt, active)
             self._rule_ios[key] = io
         return io
 
@@ -171,13 +172,16 @@ class OpHandle:
 
     def kernel_fingerprint(self, key: tuple, in_shapes: tuple) -> tuple:
         """What compiled HLO names the kernel of equation `key` at `in_shapes` by."""
-        rule, wrt, signature, batch = key
+        rule, wrt, signature, batch, active = key
+        # (an equation of every derivative leaf names its kernel as before `active` existed)
+        extra = () if active is None else (repr(active),)
         return _fingerprint.digest(_KERNEL_ABI, self.fingerprint, rule, str(wrt),
-                                   repr(signature), repr(batch), repr(in_shapes))
+                                   repr(signature), repr(batch), repr(in_shapes), *extra)
 
-    def traceable(self, key: tuple, instance):
+    def traceable(self, key: tuple, instance, symbolic: bool = False):
         """The traceable (JAX-valued) form of equation `key`'s jvp/vjp rule as
-        ``f(*operands) -> list``, or None (a host rule)."""
+        ``f(*operands) -> list``, or None (a host rule). With `symbolic`, a result the
+        rule returned as None stays None (else it is zeros)."""
         rule = key[0]
         found = self.spec.rules.get(rule)
         if found is None or not found.traceable:
@@ -185,12 +189,22 @@ class OpHandle:
         io = self.rule_io(key, instance)
         context = f"{self.spec.name}.{found.name} (@{found.kind})"
         if io.keywords or io.n_extra:
-            return _keyword_rules.traceable_rule(found.bind(instance), io, context)
-        return _structure.traceable_rule(found.bind(instance), io, context)
+            return _keyword_rules.traceable_rule(found.bind(instance), io, context, symbolic)
+        return _structure.traceable_rule(found.bind(instance), io, context, symbolic)
+
+    def device_rule(self, rule: str, wrt: int = -1):
+        """The device rule (``platform="gpu"``) behind `rule`, or None (the host rule runs
+        on GPUs too, staged)."""
+        spec = self.spec
+        if rule in (FORWARD, FORWARD_SAVING):
+            return spec.device_rules.get("forward")
+        if rule == TRANSPOSE_WRT:
+            return spec.device_transposes_wrt.get(spec.params[wrt])
+        return spec.device_rules.get(rule)
 
     def _build_kernel(self, key: tuple, in_shapes: tuple, instance):
         spec = self.spec
-        rule, wrt, signature, batch = key
+        rule, wrt, signature, batch, _ = key
         user = self.user_rule(rule, wrt)
         name = f"{spec.name}.{user.name} (@{user.kind})"
         fingerprint = self.kernel_fingerprint(key, in_shapes)
@@ -199,27 +213,55 @@ class OpHandle:
         io = self.rule_io(key, instance)
         # An adjoint's leading operands (the non-differentiable inputs) pass unconjugated.
         n_lead = len(io.in_names) - sum(self.interface(signature, instance).float_out)
+        batch_rank = 0 if rows else len(batch)  # a vectorized batch's results may broadcast
+        # The device rule, if any: the CUDA handler runs it instead of staging this one.
+        device = _device_kernel(self.device_rule(rule, wrt), instance, io, spec.name, rows,
+                                batch_rank)
         if isinstance(user.function, CFunction):
             return _runtime.register_c(
                 fingerprint, name, user.function, operands=_keyword_rules.c_operands(io),
-                rows=rows, conj_from=n_lead if user.kind == "adjoint" else -1)
-        function, ref = _kernels.weak_binding(user, instance)
-        zero_copy = user.zero_copy
-        batch_rank = 0 if rows else len(batch)  # a vectorized batch's results may broadcast
-        keyworded = bool(io.keywords or io.n_extra)
-        if keyworded:  # saved=/result= arguments, or extras the rule leaves out
-            function, zero_copy, io = _keyword_rules.kernel_rule(
-                function, io, zero_copy, name, 0 if ref is None else 1, batch_rank)
-        elif io.structured:
-            # The rule takes and returns pytrees; the kernel deals in flat arrays.
-            function, io = _structure.structured_rule(
-                function, io, zero_copy, name, n_head=0 if ref is None else 1)
+                rows=rows, conj_from=n_lead if user.kind == "adjoint" else -1, device=device)
+        # (a GPU C device rule takes its operands as a C host rule would)
+        gpu_operands = _keyword_rules.c_operands(io) if isinstance(device, CFunction) else ()
+        function, ref, zero_copy, io = _flat_rule(user, instance, io, name, batch_rank)
         if user.kind == "adjoint":
             function = _kernels.transpose_from_adjoint(
                 function, zero_copy, n_lead, takes_instance=ref is not None)
         host = _kernels.make_kernel(function, zero_copy=zero_copy, io=io, context=name,
                                     batch_rank=batch_rank, rows=rows, instance_ref=ref)
-        return _runtime.register(fingerprint, name, host, ref)
+        return _runtime.register(fingerprint, name, host, ref, device=device,
+                                 operands=gpu_operands)
+
+
+def _flat_rule(user, instance, io, name: str, batch_rank: int, function=None) -> tuple:
+    """``(function, instance_ref, zero_copy, io)``: the user's rule bound to `instance`
+    (weakly), as a function of flat operands and results (`function`: a wrapped form of
+    the rule's own function)."""
+    bound, ref = _kernels.weak_binding(user, instance)
+    function = bound if function is None else function
+    zero_copy = user.zero_copy
+    if io.keywords or io.n_extra:  # saved=/result= arguments, or extras the rule leaves out
+        function, zero_copy, io = _keyword_rules.kernel_rule(
+            function, io, zero_copy, name, 0 if ref is None else 1, batch_rank)
+    elif io.structured:
+        # The rule takes and returns pytrees; the kernel deals in flat arrays.
+        function, io = _structure.structured_rule(
+            function, io, zero_copy, name, n_head=0 if ref is None else 1)
+    return function, ref, zero_copy, io
+
+
+def _device_kernel(device, instance, io, op_name: str, rows: tuple, batch_rank: int):
+    """The device kernel of device rule `device` (a GPU C kernel as it is), or None."""
+    if device is None:
+        return None
+    if isinstance(device.function, CFunction):
+        return device.function
+    context = f"{op_name}.{device.name} (@{device.kind}, platform='gpu')"
+    bound, ref = _kernels.weak_binding(device, instance)
+    function, ref, zero_copy, io = _flat_rule(device, instance, io, context, batch_rank,
+                                              _device_kernels.taking_stream(bound))
+    return _device_kernels.make_device_kernel(function, zero_copy=zero_copy, io=io,
+                                              context=context, rows=rows, instance_ref=ref)
 
 
 class BoundOp:

@@ -38,6 +38,7 @@ import jaxlib
 from .. import _compat
 from .._errors import RuleError
 from .._spec import interface as _interface
+from .._spec.rule_io import active_mask
 
 
 def _axes(entry) -> tuple:
@@ -205,7 +206,8 @@ def result_specs(eqn, plan: Plan, operand_specs, operand_shapes, meshless=frozen
             if i is not None:
                 specs[j] = tuple(operand_specs[i])
     if eqn.rule == "vjp" and _compat.COTANGENTS_TYPED_LIKE_PRIMALS:
-        for j, i in enumerate(eqn.interface.diff_indices):
+        mask = active_mask(eqn.interface, eqn.rule, eqn.active)
+        for j, i in enumerate(k for k, f in enumerate(mask) if f):
             if i not in meshless:
                 specs[j] = tuple(operand_specs[i])
     return specs

@@ -61,7 +61,11 @@ class CFunction:
     """
 
     def __init__(self, function, *, keepalive=None, name: str | None = None,
-                 saved: bool = False, result: bool = False):
+                 saved: bool = False, result: bool = False, platform: str | None = None):
+        if platform not in (None, "gpu"):
+            raise TypeError(f"jd.cfunction(platform={platform!r}): a C kernel is for the CPU "
+                            f"(no platform=) or for the GPU (platform='gpu')")
+        self.platform = platform
         self.address = _address_of(function)
         if not self.address:
             raise ValueError("jd.cfunction: the function pointer is NULL")
@@ -71,12 +75,16 @@ class CFunction:
         self.takes = frozenset(k for k, on in (("saved", saved), ("result", result)) if on)
 
     def __repr__(self) -> str:
-        return f"<jd.cfunction {self.__name__} at {self.address:#x}>"
+        where = ", platform='gpu'" if self.platform else ""
+        return f"<jd.cfunction {self.__name__} at {self.address:#x}{where}>"
 
     def __get__(self, instance, owner=None):
         return self  # C kernels take no configuration
 
     def __call__(self, *inputs, out):
+        if self.platform == "gpu":
+            raise TypeError(f"{self.__name__} is a GPU C kernel: it runs on device buffers, "
+                            f"inside a program on a GPU; on NumPy arrays, call the host rule")
         outputs = out if isinstance(out, tuple) else (out,)
         inputs = tuple(np.ascontiguousarray(x) for x in inputs)
         if not all(isinstance(o, np.ndarray) and o.flags.c_contiguous and o.flags.writeable
@@ -135,7 +143,7 @@ def _run(address: int, inputs, outputs) -> str | None:
 
 
 def cfunction(function, *, keepalive=None, name: str | None = None, saved: bool = False,
-              result: bool = False) -> CFunction:
+              result: bool = False, platform: str | None = None) -> CFunction:
     """Wraps a C function with jaxdecl.h's ``jaxdecl_kernel`` signature as a rule.
 
     XLA's handler then calls it directly on XLA's buffers, without the GIL and
@@ -162,6 +170,10 @@ def cfunction(function, *, keepalive=None, name: str | None = None, saved: bool 
         usual operands (and after the forward's outputs, with `result`).
       result: the kernel (a ``@jvp``/``@vjp``) receives the forward's output
         buffers (all of them, integer ones too) after its usual operands.
+      platform: ``"gpu"`` for a kernel with jaxdecl.h's ``jaxdecl_gpu_kernel``
+        signature (the same plus XLA's CUDA stream, called with device
+        pointers): a device rule, declared beside the host rule of its kind
+        (``apply_gpu = jd.forward(jd.cfunction(lib.scale_gpu, platform="gpu"))``).
 
     Returns:
       A :class:`CFunction`, to pass to a rule decorator.
@@ -191,4 +203,5 @@ def cfunction(function, *, keepalive=None, name: str | None = None, saved: bool 
         >>> jax.jit(Negate())(np.arange(3, dtype=np.int32)).tolist()
         [0, -1, -2]
     """
-    return CFunction(function, keepalive=keepalive, name=name, saved=saved, result=result)
+    return CFunction(function, keepalive=keepalive, name=name, saved=saved, result=result,
+                     platform=platform)

@@ -18,7 +18,7 @@ Example:
     ...         return -x
     >>> spec = build_spec(Neg, {"batch": "vectorized"})
     >>> spec.params, spec.batch_mode, spec.linear
-    (('x',), 'vectorized', False)
+    (('x',), 'vectorized', ())
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import dataclasses
 from typing import Any
 
 from .._errors import DeclarationError
+from . import device_rules as _device_rules
+from . import linearity as _linearity
 from . import residuals as _residuals
 from . import signatures as _signatures
 from .cfunction import CFunction
@@ -44,12 +46,23 @@ class OpSpec:
     params: tuple[str, ...]  # input names, from @abstract's signature
     rules: dict  # kind -> Rule (transpose: only the linear one)
     transposes_wrt: dict  # multilinear: input name -> Rule
-    linear: bool
+    linear: tuple  # the inputs it is linear in (linear=True: all but nondiff=); () none
     multilinear: bool
     nondiff: frozenset
     batch_mode: str
     sharding: ShardingRule | None = None  # from the class options (else maybe @sharding)
     keeps: _residuals.Keeps | None = None  # residuals and result= (None: no rule uses them)
+    # platform="gpu": kind -> Rule, and multilinear input name -> Rule (see _device_rules)
+    device_rules: dict = dataclasses.field(default_factory=dict)
+    device_transposes_wrt: dict = dataclasses.field(default_factory=dict)
+    #: Linear in some inputs, differentiable in others through @jvp/@vjp (linear=(...)).
+    partly_linear: bool = False
+    #: A jvp equation may leave out a zero tangent: the @jvp takes None for it
+    #: (zeros=True), or there is none on the host (the equation is transposed, not run).
+    zero_tangents: bool = True
+    #: The derivative rules that take ``wanted`` ("vjp", "transpose": a linear op's
+    #: @transpose or @adjoint), whose equations return only the cotangents asked for.
+    wanted_by: frozenset = frozenset()
 
     def rule(self, kind: str) -> Rule | None:
         return self.rules.get(kind)
@@ -69,7 +82,7 @@ OPTIONS = ("linear", "multilinear", "nondiff", "batch") + SHARDING_OPTIONS
 
 @dataclasses.dataclass(frozen=True)
 class _Options:
-    linear: bool
+    linear: object  # False, True or a tuple of names (see linearity.read)
     multilinear: bool
     nondiff: frozenset
     batch_mode: str
@@ -79,26 +92,41 @@ def build_spec(cls, options: dict[str, Any]) -> OpSpec:
     """Collects and validates the rules of `cls`; raises DeclarationError."""
     name = cls.__name__
     opts = _read_options(name, options)
-    rules, transposes_wrt = _collect(name, cls)
+    rules, transposes_wrt, device = _collect(name, cls)
     _check_rule_kinds(name, rules)
     # The inputs' names come from @abstract (a C kernel's @forward has none);
     # @forward and @sharding must name the same ones.
     params = _signatures.op_inputs(name, rules, transposes_wrt)
     _check_nondiff(name, opts.nondiff, params, rules)
-    if opts.linear:
-        _check_linear(name, rules)
+    linear = _linearity.linear_names(name, opts.linear, params, opts.nondiff)
+    partly = False
+    if linear:
+        partly = _linearity.check(name, rules, transposes_wrt, params, opts.nondiff, linear,
+                                  opts.linear)
     else:
         _check_not_linear(name, rules, transposes_wrt, opts.multilinear)
     if opts.multilinear:
         _check_multilinear(name, rules, transposes_wrt, params, opts.nondiff)
     _check_forms(name, rules)
+    _check_keywords(name, rules, transposes_wrt)
     declared = _sharding_of(name, options, params, rules)
-    _signatures.check_rules(name, rules, transposes_wrt, params, opts.nondiff)
+    lead = tuple(p for p in params if p not in linear) if linear else \
+        tuple(p for p in params if p in opts.nondiff)
+    _signatures.check_rules(name, rules, transposes_wrt, params, opts.nondiff, lead)
     keeps = _residuals.declare(name, rules, transposes_wrt, params,
-                               opts.linear or opts.multilinear, _signatures.method_inputs)
+                               (bool(linear) and not partly) or opts.multilinear,
+                               _signatures.method_inputs, partly)
+    device_rules, device_wrt = _device_rules.declare(name, device, rules, transposes_wrt)
+    jvp = rules.get("jvp")
+    wanted_by = frozenset(kind for kind, rule in (
+        ("vjp", rules.get("vjp")), ("transpose", rules.get("transpose") or rules.get("adjoint")))
+        if rule is not None and rule.wanted)
     return OpSpec(name=name, params=params, rules=rules, transposes_wrt=transposes_wrt,
-                  linear=opts.linear, multilinear=opts.multilinear, nondiff=opts.nondiff,
-                  batch_mode=opts.batch_mode, sharding=declared, keeps=keeps)
+                  linear=linear, multilinear=opts.multilinear, nondiff=opts.nondiff,
+                  batch_mode=opts.batch_mode, sharding=declared, keeps=keeps,
+                  device_rules=device_rules, device_transposes_wrt=device_wrt,
+                  partly_linear=partly, zero_tangents=jvp is None or jvp.zeros,
+                  wanted_by=wanted_by)
 
 
 def _read_options(name: str, options: dict) -> _Options:
@@ -106,24 +134,33 @@ def _read_options(name: str, options: dict) -> _Options:
     if unknown:
         raise DeclarationError(
             f"{name}: unknown option(s) {sorted(unknown)}; jaxdecl options are {list(OPTIONS)}")
-    linear = bool(options.get("linear", False))
+    linear = _linearity.read(name, options.get("linear", False))
     multilinear = bool(options.get("multilinear", False))
     batch_mode = options.get("batch", "loop")
     nondiff = options.get("nondiff", ())
     if isinstance(nondiff, str):
         nondiff = (nondiff,)
     if linear and multilinear:
-        raise DeclarationError(f"{name}: choose one of linear=True and multilinear=True")
+        raise DeclarationError(
+            f"{name}: choose one of linear=True and multilinear=True"
+            + ("" if linear is True else
+               f" (linear={options['linear']!r} is linear in the named inputs jointly; "
+               f"multilinear=True is linear in each differentiable input separately)"))
     if batch_mode not in BATCH_MODES:
         raise DeclarationError(f"{name}: batch={batch_mode!r} is not one of {BATCH_MODES}")
     return _Options(linear, multilinear, frozenset(nondiff), batch_mode)
 
 
-def _collect(name: str, cls) -> tuple[dict, dict]:
-    """``(rules by kind, multilinear transposes by input)``: one method per role."""
+def _collect(name: str, cls) -> tuple[dict, dict, list]:
+    """``(rules by kind, multilinear transposes by input, device rules)``: one method per
+    role (device rules are checked apart, see :mod:`jaxdecl._spec.device_rules`)."""
     rules: dict[str, Rule] = {}
     transposes_wrt: dict[str, Rule] = {}
+    device: list[Rule] = []
     for rule in collect_rules(cls):
+        if rule.platform is not None:
+            device.append(rule)
+            continue
         if rule.kind == "transpose" and rule.wrt is not None:
             if rule.wrt in transposes_wrt:
                 raise DeclarationError(
@@ -136,7 +173,7 @@ def _collect(name: str, cls) -> tuple[dict, dict]:
                 f"{name}: two @{rule.kind} methods, {rules[rule.kind].name} and {rule.name}; "
                 f"keep one")
         rules[rule.kind] = rule
-    return rules, transposes_wrt
+    return rules, transposes_wrt, device
 
 
 def _check_rule_kinds(name: str, rules: dict) -> None:
@@ -158,22 +195,6 @@ def _check_nondiff(name: str, nondiff: frozenset, params: tuple, rules: dict) ->
             raise DeclarationError(
                 f"{name}: nondiff names {input_name!r}, which is not an input of "
                 f"{name}.{rules['forward'].name}{params}")
-
-
-def _check_linear(name: str, rules: dict) -> None:
-    """A linear op: one of @transpose and @adjoint, and no @jvp/@vjp."""
-    if "transpose" in rules and "adjoint" in rules:
-        raise DeclarationError(
-            f"{name}: give @transpose or @adjoint, not both "
-            f"({rules['transpose'].name}, {rules['adjoint'].name})")
-    if "transpose" not in rules and "adjoint" not in rules:
-        raise DeclarationError(
-            f"{name} is declared linear=True but has no @jd.transpose (or @jd.adjoint) method")
-    for kind in ("jvp", "vjp"):
-        if kind in rules:
-            raise DeclarationError(
-                f"{name}.{rules[kind].name}: a linear=True op derives @{kind} from @forward "
-                f"and @transpose; remove it")
 
 
 def _check_not_linear(name: str, rules: dict, transposes_wrt: dict, multilinear: bool) -> None:
@@ -224,6 +245,23 @@ def _check_forms(name: str, rules: dict) -> None:
             raise DeclarationError(
                 f"{name}.{rules[kind].name}: @{kind} {'rules ' if kind == 'batch' else ''}"
                 f"cannot take `out`")
+
+
+def _check_keywords(name: str, rules: dict, transposes_wrt: dict) -> None:
+    """``wanted`` is for the rules that return cotangents; ``zeros=`` for Python @jvp rules."""
+    for rule in list(rules.values()) + list(transposes_wrt.values()):
+        if rule.wanted and (rule.kind not in ("vjp", "transpose", "adjoint") or rule.wrt):
+            fix = ("; a @jvp declares `@jd.jvp(zeros=True)` to receive None for the tangents "
+                   "that are zero" if rule.kind == "jvp" else "")
+            raise DeclarationError(
+                f"{name}.{rule.name} (@{rule.kind}{'(wrt=...)' if rule.wrt else ''}) takes "
+                f"`wanted`, which jaxdecl passes only to a @vjp and to a linear op's "
+                f"@transpose or @adjoint (one bool per cotangent it returns){fix}")
+    jvp = rules.get("jvp")
+    if jvp is not None and jvp.zeros and isinstance(jvp.function, CFunction):
+        raise DeclarationError(
+            f"{name}.{jvp.name} (@jvp): a C kernel cannot receive None for a zero tangent; "
+            f"drop zeros=True (it then receives every tangent, zeros included)")
 
 
 def _sharding_of(name: str, options: dict, params: tuple, rules: dict):

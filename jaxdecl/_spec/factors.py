@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .rule_io import active_mask
 from .sharding import ELLIPSIS, ShardingRule, check_inputs
 
 
@@ -146,7 +147,7 @@ class RuleFactors:
 
 
 def rule_factors(resolved: Resolved, interface, rule: str, wrt: int, batch: tuple,
-                 operand_shapes: tuple) -> RuleFactors:
+                 operand_shapes: tuple, active: tuple | None = None) -> RuleFactors:
     """Names every dim of every operand and result of `rule` (see the module docstring).
 
     Example:
@@ -168,7 +169,9 @@ def rule_factors(resolved: Resolved, interface, rule: str, wrt: int, batch: tupl
     """
     n = len(interface.inputs)
     ins, outs = resolved.inputs, resolved.outputs
-    diff = interface.diff_indices
+    # The leaves whose tangents (cotangents) the rule carries (returns).
+    carried = tuple(i for i, f in enumerate(active_mask(interface, rule, active)) if f) \
+        if rule in ("jvp", "vjp", "transpose") else ()
     float_outs = tuple(outs[j] for j in interface.float_out_indices)
     extras = _extra_factors(resolved, interface, rule)
     if rule == "forward":
@@ -176,12 +179,12 @@ def rule_factors(resolved: Resolved, interface, rule: str, wrt: int, batch: tupl
     elif rule == "forward_saving":
         operands, results = ins, outs + extras
     elif rule == "jvp":
-        operands, results = ins + tuple(ins[i] for i in diff) + extras, float_outs
+        operands, results = ins + tuple(ins[i] for i in carried) + extras, float_outs
     elif rule == "vjp":
-        operands, results = ins + float_outs + extras, tuple(ins[i] for i in diff)
+        operands, results = ins + float_outs + extras, tuple(ins[i] for i in carried)
     elif rule == "transpose":
-        operands = tuple(ins[i] for i in interface.nondiff_indices) + float_outs
-        results = tuple(ins[i] for i in diff)
+        operands = tuple(ins[i] for i in interface.lead_indices) + float_outs
+        results = tuple(ins[i] for i in carried)
     elif rule == "transpose_wrt":
         operands = tuple(ins[i] for i in range(n) if i != wrt) + float_outs
         results = (ins[wrt],)

@@ -12,6 +12,9 @@ leaves (:class:`Group`). :func:`interface_of` makes one by asking
 "Differentiable" means floating or complex and not in an input listed in
 ``nondiff=``; "float" outputs are the floating or complex ones. "Residuals"
 are the leaves of what ``@jd.residuals`` declares (see :mod:`jaxdecl._spec.residuals`).
+"Linear" leaves are the differentiable leaves of the inputs ``linear=`` names
+(every differentiable leaf for ``linear=True``); the others are a linear op's
+"lead" leaves, which its transpose takes before the cotangents.
 
 The user's rule sees *arguments*, not leaves: a :class:`Group` says how one
 argument is rebuilt from flat operands (and one result flattened back). The
@@ -105,18 +108,31 @@ class Interface:
     saved: tuple = ()  # Avals of the residual leaves (@jd.residuals); () without
     saved_group: Group | None = None  # the residuals' pytree over positions 0..len(saved)-1
     saved_names: tuple = ()  # per residual leaf: "saved" or "saved['lu']"
+    linear: tuple = ()  # per input leaf: differentiable and in an input named by linear=
 
     # Derived once, read at every step of a trace (attributes, not properties).
     diff_indices: tuple = dataclasses.field(init=False, repr=False, compare=False)
-    #: The input leaves without a tangent (integers, nondiff=): a transpose's lead operands.
+    #: The input leaves without a tangent (integers, nondiff=).
     nondiff_indices: tuple = dataclasses.field(init=False, repr=False, compare=False)
+    #: The input leaves a linear op is linear in: its transpose's results.
+    linear_indices: tuple = dataclasses.field(init=False, repr=False, compare=False)
+    #: The other input leaves: a linear op's transpose's lead operands (for linear=True,
+    #: the nondiff ones).
+    lead_indices: tuple = dataclasses.field(init=False, repr=False, compare=False)
+    #: Differentiable leaves a partly linear op is not linear in (@jvp/@vjp differentiate).
+    other_indices: tuple = dataclasses.field(init=False, repr=False, compare=False)
     float_out_indices: tuple = dataclasses.field(init=False, repr=False, compare=False)
     #: Some argument or output is a pytree rather than an array.
     structured: bool = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        linear = self.linear or (False,) * len(self.diff)
         derived = {"diff_indices": tuple(i for i, d in enumerate(self.diff) if d),
                    "nondiff_indices": tuple(i for i, d in enumerate(self.diff) if not d),
+                   "linear_indices": tuple(i for i, f in enumerate(linear) if f),
+                   "lead_indices": tuple(i for i, f in enumerate(linear) if not f),
+                   "other_indices": tuple(i for i, (d, f) in enumerate(zip(self.diff, linear))
+                                          if d and not f),
                    "float_out_indices": tuple(i for i, f in enumerate(self.float_out) if f),
                    "structured": any(g.tree is not None
                                      for g in self.in_groups + self.out_groups)}
@@ -187,10 +203,11 @@ def interface_of(spec, instance, inputs: tuple) -> Interface:
         for p, (_, dtype) in zip(leaf_param, leaves)
     )
     float_out = tuple(dtype in _dtypes.DIFFERENTIABLE for _, dtype in outputs)
+    linear = tuple(d and spec.params[p] in spec.linear for p, d in zip(leaf_param, diff))
     saved, saved_group, saved_names = _residual_avals(spec, instance, structs)
     interface = Interface(tuple(leaves), tuple(outputs), single, diff, float_out, tuple(in_groups),
                     tuple(out_groups), tuple(names), tuple(out_names), tuple(leaf_param),
-                    saved, saved_group, saved_names)
+                    saved, saved_group, saved_names, linear)
     if interface.structured and spec.multilinear and any(g.tree is not None for g in in_groups):
         raise RuleError(
             f"{spec.name} is multilinear=True: its inputs must be arrays, not pytrees "

@@ -85,15 +85,25 @@ def _fix(kind: str) -> str:
 
 
 def declare(name: str, rules: dict, transposes_wrt: dict, params: tuple, linear: bool,
-            input_names: Callable) -> Keeps | None:
+            input_names: Callable, partly_linear: bool = False) -> Keeps | None:
     """Validates residuals and ``saved=``/``result=`` parameters; None when nothing uses them.
 
     Raises DeclarationError naming the class and the rule. `input_names` reads
-    a rule's inputs as :mod:`jaxdecl._declare` does.
+    a rule's inputs as :mod:`jaxdecl._declare` does. A `linear` (or multilinear)
+    op keeps nothing; a partly linear one keeps what its @jvp/@vjp read, but
+    its transpose takes nothing from the forward.
     """
     method = rules.get("residuals")
     takes = {kind: takes_of(rules[kind]) for kind in ("forward",) + _DERIVATIVES
              if kind in rules}
+    for rule in [rules[k] for k in ("transpose", "adjoint") if k in rules and partly_linear]:
+        asked = takes_of(rule)
+        if asked:
+            raise DeclarationError(
+                f"{name}.{rule.name} (@{rule.kind}) takes {' and '.join(sorted(asked))}, but "
+                f"the transpose of a partly linear op reads only the other inputs and the "
+                f"cotangents (it transposes the forward applied to a tangent, which keeps "
+                f"nothing): remove the parameter")
     if linear:
         if method is not None:
             raise DeclarationError(

@@ -8,15 +8,25 @@ rule                operands                                      results
 ==================  ============================================  ==========================
 ``forward``         all input leaves                              all output leaves
 ``forward_saving``  all input leaves                              all output leaves, residuals
-``jvp``             all input leaves, tangents of diff. leaves    tangents of float leaves
-``vjp``             all input leaves, cotangents of float leaves  cotangents of diff. leaves
-``transpose``       non-differentiable inputs, cotangents         cotangents of diff. leaves
+``jvp``             all input leaves, tangents of active leaves   tangents of float leaves
+``vjp``             all input leaves, cotangents of float leaves  cotangents of active leaves
+``transpose``       the inputs it is not linear in, cotangents    cotangents of active leaves
 ``transpose_wrt``   all inputs but ``wrt``, cotangents            cotangent of ``wrt``
 ==================  ============================================  ==========================
 
 "Differentiable" means floating or complex and not in an input listed in
 ``nondiff=``; "float" outputs are the floating or complex ones. "Residuals"
 are the leaves of what ``@jd.residuals`` declares (see :mod:`jaxdecl._spec.residuals`).
+A linear op's ``transpose`` returns the cotangents of the leaves it is linear in
+(for ``linear=True`` the differentiable ones) and takes every other input leaf.
+
+*Active* leaves are an equation's ``active`` set (see :func:`active_mask`): by
+default every differentiable leaf (every linear one for ``transpose``); an
+equation of a ``@jvp`` declared ``zeros=True`` carries only the tangents that
+are not symbolically zero (the rule gets ``None`` for the others), one of a
+``@vjp`` or ``@transpose`` that takes ``wanted`` returns only the cotangents
+asked for (the rule gets ``wanted``, one bool per argument it returns a
+cotangent for, and may return ``None`` where it is False).
 An op whose derivative rules take ``result=`` or ``saved=`` has its ``jvp``
 and ``vjp`` operands followed by *extras*: all output leaves (when some rule
 takes ``result``), then the residuals (when the op declares them). The rules
@@ -64,11 +74,15 @@ class RuleIO:
     results: tuple = ()  # Groups: how its return value maps to flat results
     structured: bool = False  # some group is a pytree: see jaxdecl._host.structure
     zeros_ok: bool = False  # None stands for a zero result (cotangents)
-    keywords: tuple = ()  # Keywords: the rule's keyword-only `saved`/`result` arguments
+    keywords: tuple = ()  # Keywords: the rule's keyword-only `saved`/`result`/`wanted`
     n_extra: int = 0  # trailing operands that are extras (result, residuals), not positional
+    #: The input leaves whose tangents a jvp carries, whose cotangents a vjp or transpose
+    #: returns (its active leaves), in order.
+    carried: tuple = ()
+    linear: tuple = ()  # the operands the rule is linear (or multilinear) in
 
 
-OPERANDS, RESULTS = "operands", "results"
+OPERANDS, RESULTS, VALUE = "operands", "results", "value"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +91,8 @@ class Keyword:
 
     `source` is :data:`OPERANDS` (read-only views of the rule's operands),
     :data:`RESULTS` (writable views of its results: the residuals a
-    ``forward_saving`` kernel fills), or None (the argument is ``None``: a
+    ``forward_saving`` kernel fills), :data:`VALUE` (the argument is `value`,
+    fixed by the equation: ``wanted``), or None (the argument is ``None``: a
     plain forward's ``saved``). `groups` are over those flat values; the
     argument is the one group's value when `single`, else a tuple of them.
     """
@@ -86,6 +101,7 @@ class Keyword:
     groups: tuple = ()
     single: bool = True
     source: str | None = None
+    value: object = None
 
 
 def _shifted(groups, offset: int) -> tuple:
@@ -104,27 +120,93 @@ def _tangent_groups(groups, has_tangent, first_position: int) -> tuple:
                  for g in groups if any(has_tangent[s] for s in g.positions))
 
 
-def rule_io(spec, interface: Interface, rule: str, wrt: int) -> RuleIO:
+def _derivative_groups(groups, has_value, active, first_position: int) -> tuple:
+    """Like :func:`_tangent_groups`, for the arguments with any `has_value` leaf, but only
+    the `active` leaves take positions (the others are -1: ``None`` to the rule)."""
+    groups = [g for g in groups if any(has_value[s] for s in g.positions)]
+    position = {leaf: first_position + k
+                for k, leaf in enumerate(i for i, f in enumerate(active) if f)}
+    return tuple(Group(g.tree, tuple(position.get(s, -1) for s in g.positions))
+                 for g in groups)
+
+
+def active_mask(interface: Interface, rule: str, active) -> tuple:
+    """Per input leaf, whether equation `rule` carries its tangent (``jvp``) or returns its
+    cotangent (``vjp``, ``transpose``): the leaves in `active` (input leaf indices), or
+    every differentiable leaf (linear leaf, for ``transpose``) when `active` is None."""
+    eligible = interface.linear if rule == TRANSPOSE else interface.diff
+    if active is None:
+        return tuple(eligible)
+    return tuple(bool(e) and i in active for i, e in enumerate(eligible))
+
+
+def active_subset(interface: Interface, rule: str, leaves) -> tuple | None:
+    """The ``active`` set of an equation of `rule` that carries (returns) `leaves`: their
+    sorted indices, or None when that is every one (the default)."""
+    leaves = tuple(sorted(set(leaves)))
+    every = interface.linear_indices if rule == TRANSPOSE else interface.diff_indices
+    return None if leaves == every else leaves
+
+
+def rule_io(spec, interface: Interface, rule: str, wrt: int, active=None) -> RuleIO:
     """The operands/results of `rule` at `interface` (see the module table), with the user's
     rule checked against them (:func:`check_traced`)."""
-    io = _unchecked_rule_io(spec, interface, rule, wrt)
+    io = _unchecked_rule_io(spec, interface, rule, wrt, active)
+    io = _with_wanted(spec, interface, rule, active, io)
     check_traced(spec, interface, rule, wrt, io)
-    return io
+    return dataclasses.replace(io, linear=_linear_operands(spec, interface, rule, wrt, io))
 
 
-def _unchecked_rule_io(spec, interface: Interface, rule: str, wrt: int) -> RuleIO:
+def _linear_operands(spec, interface: Interface, rule: str, wrt: int, io: RuleIO) -> tuple:
+    """The operands a rule is linear in (jointly; a multilinear op's forward and
+    ``transpose_wrt``: in each separately)."""
+    n, n_ct = len(interface.inputs), sum(interface.float_out)
+    if rule == FORWARD:
+        return interface.linear_indices if spec.linear else \
+            interface.diff_indices if spec.multilinear else ()
+    if rule == JVP:
+        return tuple(range(n, n + len(io.carried)))
+    if rule == VJP:
+        return tuple(range(n, n + n_ct))
+    if rule == TRANSPOSE:
+        n_lead = len(interface.lead_indices)
+        return tuple(range(n_lead, n_lead + n_ct))
+    if rule == TRANSPOSE_WRT:  # the other differentiable inputs, then the cotangents
+        others = [i for i in range(n) if i != wrt]
+        return tuple(k for k, i in enumerate(others) if interface.diff[i]) + tuple(
+            range(n - 1, n - 1 + n_ct))
+    return ()  # forward_saving
+
+
+def _with_wanted(spec, interface: Interface, rule: str, active, io: RuleIO) -> RuleIO:
+    """A @vjp or @transpose that takes ``wanted`` gets one bool per argument it returns."""
+    if rule not in (VJP, TRANSPOSE):
+        return io
+    user = spec.rules.get("vjp") if rule == VJP else \
+        spec.rules.get("transpose") or spec.rules.get("adjoint")
+    if user is None or not user.wanted:
+        return io
+    mask = active_mask(interface, rule, active)
+    has = interface.linear if rule == TRANSPOSE else interface.diff
+    wanted = tuple(any(mask[s] for s in g.positions) for g in interface.in_groups
+                   if any(has[s] for s in g.positions))
+    keyword = Keyword("wanted", source=VALUE, value=wanted)
+    return dataclasses.replace(io, keywords=io.keywords + (keyword,))
+
+
+def _unchecked_rule_io(spec, interface: Interface, rule: str, wrt: int, active) -> RuleIO:
     keeps = spec.keeps
     if keeps is None:  # no rule takes saved= or result=: the plain table
-        return _rule_io(spec, interface, rule, wrt)
+        return _rule_io(spec, interface, rule, wrt, active)
     if rule == FORWARD_SAVING:
-        io = _rule_io(spec, interface, FORWARD, wrt)
+        io = _rule_io(spec, interface, FORWARD, wrt, None)
         m, k = len(interface.outputs), len(interface.saved)
         saved = Keyword("saved", _shifted((interface.saved_group,), m), True, RESULTS)
         return dataclasses.replace(
             io, out_names=io.out_names + interface.saved_names,
             out_avals=io.out_avals + interface.saved, real_results=(False,) * (m + k),
             keywords=(saved,))
-    io = _rule_io(spec, interface, rule, wrt)
+    io = _rule_io(spec, interface, rule, wrt, active)
     takes = keeps.takes.get(rule, frozenset())
     if rule == FORWARD:
         return dataclasses.replace(io, keywords=(Keyword("saved"),)) if takes else io
@@ -145,51 +227,51 @@ def _unchecked_rule_io(spec, interface: Interface, rule: str, wrt: int) -> RuleI
                                n_extra=len(names) - len(io.in_names))
 
 
-def _rule_io(spec, interface: Interface, rule: str, wrt: int) -> RuleIO:
+def _rule_io(spec, interface: Interface, rule: str, wrt: int, active) -> RuleIO:
     n = len(interface.inputs)
-    diff, float_outs = interface.diff_indices, interface.float_out_indices
+    float_outs = interface.float_out_indices
     params = interface.in_groups
     structured = interface.structured
     if rule == FORWARD:
         return RuleIO(interface.input_names, interface.output_names, interface.outputs,
                       interface.single_output, (False,) * len(interface.outputs),
                       params, interface.out_groups, structured)
+    mask = active_mask(interface, rule, active) if rule in (JVP, VJP, TRANSPOSE) else ()
+    carried = tuple(i for i, f in enumerate(mask) if f)
     if rule == JVP:
-        tangents = _tangent_groups(params, interface.diff, n)
+        tangents = _derivative_groups(params, interface.diff, mask, n)
         results = _tangent_groups(interface.out_groups, interface.float_out, 0)
         in_names = interface.input_names + tuple(f"tangent of {interface.input_names[i]}"
-                                                 for i in diff)
+                                                 for i in carried)
         out_names = tuple(f"tangent of {interface.output_names[j]}" for j in float_outs)
+        jvp = spec.rules.get("jvp")
+        # A tangent left out (None to the rule): the kernel packs the rule's arguments.
+        absent = len(carried) < sum(interface.diff)
         return RuleIO(in_names, out_names, tuple(interface.outputs[j] for j in float_outs),
                       len(results) == 1, (False,) * len(out_names),
-                      params + tangents, results, structured)
+                      params + tangents, results, structured or absent,
+                      zeros_ok=jvp is not None and jvp.zeros, carried=carried)
     if rule in (VJP, TRANSPOSE):
         ct_names = tuple(f"cotangent of {interface.output_names[j]}" for j in float_outs)
+        has = interface.diff
         if rule == VJP:
             lead = params
             lead_names = interface.input_names
         else:
-            lead, position = [], 0
-            for g in params:
-                if any(interface.diff[s] for s in g.positions):
-                    if not all(interface.diff[s] for s in g.positions):
-                        raise RuleError(
-                            f"{spec.name} is linear=True, but input "
-                            f"{spec.params[interface.leaf_param[g.positions[0]]]!r} mixes "
-                            f"differentiable and integer (or nondiff) leaves; pass the "
-                            f"integer leaves as a separate nondiff= input")
-                    continue
-                lead.append(Group(g.tree, tuple(range(position, position + len(g.positions)))))
-                position += len(g.positions)
-            lead = tuple(lead)
-            lead_names = tuple(interface.input_names[i] for i in interface.nondiff_indices)
+            has = interface.linear
+            lead = _transpose_leads(spec, interface)
+            lead_names = tuple(interface.input_names[i] for i in interface.lead_indices)
         cts = _tangent_groups(interface.out_groups, interface.float_out, len(lead_names))
-        groups = _tangent_groups(params, interface.diff, 0)
-        avals = tuple(interface.inputs[i] for i in diff)
+        groups = _derivative_groups(params, has, mask, 0)
+        avals = tuple(interface.inputs[i] for i in carried)
         real = tuple(not np.issubdtype(dtype, np.complexfloating) for _, dtype in avals)
-        out_names = tuple(f"cotangent of {interface.input_names[i]}" for i in diff)
+        out_names = tuple(f"cotangent of {interface.input_names[i]}" for i in carried)
+        # Where some argument's cotangent is not asked for, the kernel picks the results
+        # out of what the rule returns (see jaxdecl._host.structure.unpack).
+        dropped = len(carried) < sum(has)
         return RuleIO(lead_names + ct_names, out_names, avals, len(groups) == 1, real,
-                      tuple(lead) + cts, groups, structured, zeros_ok=True)
+                      tuple(lead) + cts, groups, structured or dropped, zeros_ok=True,
+                      carried=carried)
     if rule == TRANSPOSE_WRT:  # multilinear ops take arrays only (see interface_of)
         lead = tuple(p for i, p in enumerate(interface.input_names) if i != wrt)
         cts = tuple(f"cotangent of {interface.output_names[j]}" for j in float_outs)
@@ -200,6 +282,25 @@ def _rule_io(spec, interface: Interface, rule: str, wrt: int) -> RuleIO:
                       (not np.issubdtype(aval[1], np.complexfloating),), args, (bare_group(0),),
                       structured, zeros_ok=True)
     raise ValueError(f"unknown rule {rule!r}")  # pragma: no cover - internal
+
+
+def _transpose_leads(spec, interface: Interface) -> tuple:
+    """The groups of a linear op's transpose's lead operands: every argument without a
+    linear leaf, over consecutive positions."""
+    lead, position = [], 0
+    for g in interface.in_groups:
+        if any(interface.linear[s] for s in g.positions):
+            if not all(interface.linear[s] for s in g.positions):
+                name = spec.params[interface.leaf_param[g.positions[0]]]
+                declared = f"linear in {name!r}, but that input" if spec.partly_linear else \
+                    f"linear=True, but input {name!r}"
+                raise RuleError(
+                    f"{spec.name} is {declared} mixes differentiable and integer (or nondiff) "
+                    f"leaves; pass the integer leaves as a separate nondiff= input")
+            continue
+        lead.append(Group(g.tree, tuple(range(position, position + len(g.positions)))))
+        position += len(g.positions)
+    return tuple(lead)
 
 
 def check_traced(spec, interface, rule_kind: str, wrt: int, io) -> None:
@@ -220,9 +321,10 @@ def check_traced(spec, interface, rule_kind: str, wrt: int, io) -> None:
     if found is None or found.varargs or len(found.positional) - 1 == len(io.args):
         return
     # Which inputs (outputs) carry a tangent (cotangent) at these types.
+    has = interface.linear if rule_kind == TRANSPOSE else interface.diff
     with_tangent = [spec.params[k] for k, g in enumerate(interface.in_groups)
-                    if any(interface.diff[s] for s in g.positions)]
-    if rule_kind == TRANSPOSE:
+                    if any(has[s] for s in g.positions)]
+    if rule_kind == TRANSPOSE and not spec.partly_linear:
         _refuse_differentiated_leads(spec, rule, found, with_tangent)
     expected, why = _expected_arguments(spec, interface, rule_kind, wrt, with_tangent)
     raise DeclarationError(
@@ -251,8 +353,9 @@ def _expected_arguments(spec, interface, rule_kind: str, wrt: int, with_tangent:
         return list(spec.params) + cts, (
             f"the op's inputs ({', '.join(spec.params)}), then {per_output}")
     if rule_kind == TRANSPOSE:
-        return without + cts, (
-            f"the inputs without a tangent ({', '.join(without) or 'none'}), then {per_output}")
+        what = "the inputs it is not linear in" if spec.partly_linear else \
+            "the inputs without a tangent"
+        return without + cts, (f"{what} ({', '.join(without) or 'none'}), then {per_output}")
     return [p for p in spec.params if p != spec.params[wrt]] + cts, (
         f"every input but {spec.params[wrt]!r}, then {per_output}")
 
@@ -270,5 +373,7 @@ def _refuse_differentiated_leads(spec, rule, found, with_tangent: list) -> None:
         f"{'a floating input' if len(named) == 1 else 'floating inputs'} of {spec.name} that "
         f"jaxdecl differentiates: a linear op's transpose receives only the inputs it is not "
         f"linear in. Declare {it} non-differentiable: `class {spec.name}(jd.Primitive, "
-        f"linear=True, nondiff=({listed},))` (or @jd.primitive(..., nondiff=...)); if "
-        f"{spec.name} is linear in {it}, drop {it} from the signature")
+        f"linear=True, nondiff=({listed},))` (or @jd.primitive(..., nondiff=...)), or, to "
+        f"differentiate {spec.name} in {it} through @jvp/@vjp, name only the inputs it is "
+        f"linear in: linear=(...); if {spec.name} is linear in {it}, drop {it} from the "
+        f"signature")

@@ -1,10 +1,12 @@
-"""The rule decorators: marking a method with the role it plays in an op.
+"""Marking a method with the role it plays in an op, and collecting the marks.
 
-``@jd.abstract``, ``@jd.forward``, ``@jd.jvp`` and the others attach a
-:class:`Rule` to the method (its kind, and how it wants to be called) and
-return the method unchanged, so a class stays a plain class until
-:mod:`jaxdecl._declare` reads the marks. :func:`collect_rules` gathers them
-from a class and its bases.
+The decorators (``@jd.abstract``, ``@jd.forward``, ``@jd.jvp`` and the others,
+each made by :func:`make_decorator`; their public faces are in
+:mod:`jaxdecl._spec.decorators`) attach a :class:`Rule` to the method (its
+kind, and how it wants to be called: traceable, zero-copy, ``zeros=``,
+``wanted``, its platform) and return the method unchanged, so a class stays a
+plain class until :mod:`jaxdecl._declare` reads the marks.
+:func:`collect_rules` gathers them from a class and its bases.
 
 Example:
     >>> import jaxdecl as jd
@@ -44,29 +46,47 @@ class Rule:
     traceable: bool = False  # takes and returns JAX values (jax.numpy, other ops)
     wrt: str | None = None  # multilinear transpose: which input
     zero_copy: bool = False  # fills a keyword-only `out` instead of returning
+    platform: str | None = None  # "gpu": a device rule (device arrays, XLA's stream)
+    zeros: bool = False  # @jvp(zeros=True): symbolically zero tangents arrive as None
+    wanted: bool = False  # takes the keyword-only `wanted` (@vjp, @transpose, @adjoint)
 
     def bind(self, instance) -> Callable:
         return self.function.__get__(instance, type(instance))
 
 
-def _make_decorator(kind: str, doc: str, *, traceable_ok: bool = False, wrt_ok: bool = False):
-    def decorator(function=None, *, traceable: bool = False, wrt: str | None = None):
+#: The platforms a rule may be declared for besides the host: ``"gpu"``, a device rule.
+PLATFORMS = ("gpu",)
+
+
+def make_decorator(kind: str, doc: str, *, traceable_ok: bool = False, wrt_ok: bool = False,
+                    zeros_ok: bool = False, platform_ok: bool = False):
+    def decorator(function=None, *, traceable: bool = False, wrt: str | None = None,
+                  zeros: bool = False, platform: str | None = None):
         if traceable and not traceable_ok:
             raise TypeError(f"@jd.{kind} takes no traceable= option")
         if wrt is not None and not wrt_ok:
             raise TypeError(f"@jd.{kind} takes no wrt= option")
+        _check_platform(kind, platform, platform_ok, traceable)
+        if zeros and not zeros_ok:
+            raise TypeError(f"@jd.{kind} takes no zeros= option (only @jd.jvp does: a @vjp or "
+                            f"@transpose takes the keyword-only `wanted` instead)")
 
         def mark(fn):
             if not callable(fn):
                 raise TypeError(f"@jd.{kind} decorates a method, got {fn!r}")
+            where = _platform_of(kind, fn, platform)
             existing = rule_of(fn)
-            if existing is not None and (existing.kind, existing.wrt) != (kind, wrt):
+            if existing is not None and (existing.kind, existing.wrt, existing.platform) != (
+                    kind, wrt, where):
                 raise DeclarationError(
-                    f"{existing.name} is already marked {_label(existing.kind, existing.wrt)}; a "
-                    f"method has one role, so {_label(kind, wrt)} cannot also apply. To use one "
+                    f"{existing.name} is already marked "
+                    f"{_label(existing.kind, existing.wrt, existing.platform)}; a method has "
+                    f"one role, so {_label(kind, wrt, where)} cannot also apply. To use one "
                     f"function for both, give the second role its own method that calls the first"
                 )
-            setattr(fn, _MARK, Rule(kind, fn.__name__, fn, traceable, wrt, _takes_out(fn)))
+            setattr(fn, _MARK, Rule(kind, fn.__name__, fn, traceable, wrt, _takes_out(fn),
+                                    platform=where, zeros=bool(zeros),
+                                    wanted=_takes_keyword(fn, "wanted")))
             return fn
 
         return mark if function is None else mark(function)
@@ -76,7 +96,9 @@ def _make_decorator(kind: str, doc: str, *, traceable_ok: bool = False, wrt_ok: 
     decorator.__doc__ = doc
     # help() and the API reference show the options this decorator takes, not all of them.
     keywords = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
-                for name, default, ok in (("traceable", False, traceable_ok), ("wrt", None, wrt_ok))
+                for name, default, ok in (("traceable", False, traceable_ok), ("wrt", None, wrt_ok),
+                                          ("zeros", False, zeros_ok),
+                                          ("platform", None, platform_ok))
                 if ok]
     decorator.__signature__ = inspect.Signature(
         [inspect.Parameter("function", inspect.Parameter.POSITIONAL_OR_KEYWORD,
@@ -84,233 +106,53 @@ def _make_decorator(kind: str, doc: str, *, traceable_ok: bool = False, wrt_ok: 
     return decorator
 
 
-def _label(kind: str, wrt: str | None) -> str:
-    return f"@jd.{kind}" + (f"(wrt={wrt!r})" if wrt is not None else "")
+def _label(kind: str, wrt: str | None, platform: str | None = None) -> str:
+    options = [f"{k}={v!r}" for k, v in (("wrt", wrt), ("platform", platform)) if v is not None]
+    return f"@jd.{kind}" + (f"({', '.join(options)})" if options else "")
+
+
+def _check_platform(kind: str, platform, platform_ok: bool, traceable: bool) -> None:
+    if platform is None:
+        return
+    if not platform_ok:
+        raise TypeError(
+            f"@jd.{kind} takes no platform= option: it runs when the op is traced, the same "
+            f"for every platform; only the rules that run on buffers (forward, jvp, vjp, "
+            f"transpose) have device forms")
+    if platform not in PLATFORMS:
+        raise TypeError(
+            f"@jd.{kind}(platform={platform!r}): the platform of a device rule is 'gpu' (the "
+            f"rule without platform= serves the CPU, and every platform without a device rule)")
+    if traceable:
+        raise TypeError(
+            f"@jd.{kind}(traceable=True, platform='gpu'): a traceable rule is JAX code, which "
+            f"runs on every platform already; a device rule receives device arrays instead")
+
+
+def _platform_of(kind: str, fn, platform):
+    """The rule's platform: given, or "gpu" for a C kernel built for the GPU."""
+    compiled_for = getattr(fn, "platform", None) if isinstance(fn, CFunction) else None
+    if platform == "gpu" and isinstance(fn, CFunction) and compiled_for != "gpu":
+        raise TypeError(
+            f"@jd.{kind}(platform='gpu') got the C kernel {fn.__name__}, built for the CPU; a "
+            f"GPU C kernel takes XLA's stream too (jaxdecl.h's jaxdecl_gpu_kernel): wrap it "
+            f"with jd.cfunction(fn, platform='gpu')")
+    return compiled_for or platform
 
 
 def _takes_out(fn) -> bool:
+    return isinstance(fn, CFunction) or _takes_keyword(fn, "out")  # C kernels always do
+
+
+def _takes_keyword(fn, name: str) -> bool:
+    """Whether `fn` has the keyword-only parameter `name` (C kernels have none)."""
     if isinstance(fn, CFunction):
-        return True  # C kernels always write into their outputs
+        return False
     try:
-        parameter = inspect.signature(fn).parameters.get("out")
+        parameter = inspect.signature(fn).parameters.get(name)
     except (TypeError, ValueError):
         return False
     return parameter is not None and parameter.kind is inspect.Parameter.KEYWORD_ONLY
-
-
-abstract = _make_decorator("abstract", """Marks the shape rule: input structs -> output struct(s).
-
-Inputs arrive as ``jax.ShapeDtypeStruct``; return one, or a tuple of them.
-
-Example:
-    >>> import jax, jaxdecl as jd
-    >>> class Double(jd.Primitive):
-    ...     @jd.abstract
-    ...     def shapes(self, x):
-    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
-    ...     @jd.forward
-    ...     def apply(self, x):
-    ...         return 2 * x
-    >>> float(Double()(1.5))
-    3.0
-""")
-
-forward = _make_decorator("forward", """Marks the evaluation rule, run on views of XLA's buffers.
-
-Either return the result array(s), or take a keyword-only ``out`` (an array,
-or a tuple of them) and fill it in place (zero-copy form).
-
-Example:
-    >>> import jax, numpy as np, jaxdecl as jd
-    >>> class Square(jd.Primitive):
-    ...     @jd.abstract
-    ...     def shapes(self, x):
-    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
-    ...     @jd.forward
-    ...     def apply(self, x, *, out):
-    ...         np.multiply(x, x, out=out)
-    >>> float(Square()(3.0))
-    9.0
-""")
-
-jvp = _make_decorator("jvp", """Marks the forward-mode rule ``(self, *inputs, *tangents)``.
-
-Returns the output tangent(s).
-
-One tangent arrives per differentiable input (floating or complex, not in
-``nondiff=``), in input order; one is returned per floating/complex output, bare
-when there is exactly one (an op with outputs ``(distance, index)`` returns just
-the distance's tangent). Pytree inputs and outputs get pytree tangents, with
-``None`` at integer leaves. With ``traceable=True`` the rule receives and
-returns JAX values and is differentiated again by JAX (higher order).
-
-Example:
-    >>> import jax, jaxdecl as jd
-    >>> class Sin(jd.Primitive):
-    ...     @jd.abstract
-    ...     def shapes(self, x):
-    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
-    ...     @jd.forward
-    ...     def apply(self, x):
-    ...         import numpy as np; return np.sin(x)
-    ...     @jd.jvp(traceable=True)
-    ...     def push(self, x, dx):
-    ...         return jax.numpy.cos(x) * dx
-    >>> round(float(jax.grad(Sin())(0.0)), 6)
-    1.0
-""", traceable_ok=True)
-
-vjp = _make_decorator("vjp", """Marks the reverse-mode rule ``(self, *inputs, *cotangents)``.
-
-Returns the input cotangent(s).
-
-One cotangent arrives per floating/complex output; one is returned per
-differentiable input (a tuple if several), where ``None`` stands for zero (a
-whole cotangent or a subtree of a pytree one). Returns Jᵀ·ct, not conjugated.
-
-Example:
-    >>> import jax, numpy as np, jaxdecl as jd
-    >>> class Cube(jd.Primitive):
-    ...     @jd.abstract
-    ...     def shapes(self, x):
-    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
-    ...     @jd.forward
-    ...     def apply(self, x):
-    ...         return x**3
-    ...     @jd.vjp
-    ...     def pull(self, x, ct):
-    ...         return 3 * x**2 * ct
-    >>> float(jax.grad(Cube())(2.0))
-    12.0
-""", traceable_ok=True)
-
-transpose = _make_decorator("transpose", """Marks the transpose of a linear or multilinear op.
-
-Linear op: ``(self, *nondiff_inputs, *cotangents) -> cotangent(s) of the linear inputs``.
-Multilinear op: ``@jd.transpose(wrt="x")`` with ``(self, *inputs_but_x, ct) -> ct_x``.
-
-Example:
-    >>> import jax, numpy as np, jaxdecl as jd
-    >>> class Scale(jd.Primitive, linear=True):
-    ...     @jd.abstract
-    ...     def shapes(self, x):
-    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
-    ...     @jd.forward
-    ...     def apply(self, x):
-    ...         return 3 * x
-    ...     @jd.transpose
-    ...     def apply_t(self, ct):
-    ...         return 3 * ct
-    >>> float(jax.grad(Scale())(1.0))
-    3.0
-""", wrt_ok=True)
-
-adjoint = _make_decorator("adjoint", """Marks the conjugate transpose Aᴴy of a linear op.
-
-An alternative to ``@transpose``.
-
-jaxdecl derives the transpose as ``conj(adjoint(conj(ct)))``; handy for
-libraries (FFTs, DUCC) that provide adjoints.
-
-Example:
-    >>> import jax, numpy as np, jaxdecl as jd
-    >>> class Rotate(jd.Primitive, linear=True):
-    ...     @jd.abstract
-    ...     def shapes(self, x):
-    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
-    ...     @jd.forward
-    ...     def apply(self, x):
-    ...         return 1j * x
-    ...     @jd.adjoint
-    ...     def apply_h(self, y):
-    ...         return -1j * y
-    >>> complex(jax.linear_transpose(Rotate(), 1j)(1.0 + 0j)[0]) == 1j
-    True
-""")
-
-batch = _make_decorator("batch", """Marks a trace-time batching rule ``(self, args, axes)``.
-
-Returns ``(outputs, out_axes)``.
-
-`args` are JAX values, `axes` their batch axis (an int, or None when not
-batched). The rule may call any op, typically a reconfigured instance of the
-same class that folds the batch into a native axis.
-
-Example:
-    >>> import jax, jax.numpy as jnp, jaxdecl as jd
-    >>> class Neg(jd.Primitive):
-    ...     @jd.abstract
-    ...     def shapes(self, x):
-    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
-    ...     @jd.forward
-    ...     def apply(self, x):
-    ...         return -x
-    ...     @jd.batch
-    ...     def batched(self, args, axes):
-    ...         return self(*args), axes[0]
-    >>> jax.vmap(Neg())(jnp.ones(2)).tolist()
-    [-1.0, -1.0]
-""")
-
-sharding = _make_decorator("sharding", """Marks the method that says how the op splits on devices.
-
-It sees the inputs as ``jax.ShapeDtypeStruct`` (as ``@abstract`` does) and
-returns a :class:`~jaxdecl.ShardingRule`; use it when the rule depends on the
-configuration or the shapes, instead of the class options ``sharding=``,
-``replicate=`` and ``reduce=``.
-
-Example:
-    >>> import jax, numpy as np, jaxdecl as jd
-    >>> class Cumsum(jd.Primitive):
-    ...     def __init__(self, axis):
-    ...         self.axis = axis
-    ...     @jd.abstract
-    ...     def shapes(self, x):
-    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
-    ...     @jd.forward
-    ...     def apply(self, x):
-    ...         return np.cumsum(x, axis=self.axis)
-    ...     @jd.sharding
-    ...     def split(self, x):
-    ...         dims = [f"d{i}" for i in range(x.ndim)]
-    ...         rule = " ".join(dims) + " -> " + " ".join(dims)
-    ...         return jd.ShardingRule(rule, replicate=(dims[self.axis],))
-    >>> Cumsum(1)(np.ones((2, 3))).tolist()
-    [[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]]
-""")
-
-
-residuals = _make_decorator("residuals", """Marks the method that declares what the forward keeps.
-
-It sees the inputs as ``jax.ShapeDtypeStruct`` (as ``@abstract`` does) and
-returns a pytree of them, any dtype. The ``@forward`` then takes a
-keyword-only ``saved``: writable views of those arrays to fill when a
-derivative follows, ``None`` on a plain call (nothing is allocated then). A
-``@jvp`` or ``@vjp`` that adds the keyword-only ``saved`` receives them, read
-only; one that adds ``result`` receives the forward's output. Under ``grad``,
-``vjp``, ``jvp`` and ``linearize`` the forward then runs once per evaluation.
-
-Example:
-    >>> import jax, jax.numpy as jnp, numpy as np, jaxdecl as jd
-    >>> class Normalize(jd.Primitive):
-    ...     @jd.abstract
-    ...     def shapes(self, x):
-    ...         return jax.ShapeDtypeStruct(x.shape, x.dtype)
-    ...     @jd.residuals
-    ...     def keeps(self, x):
-    ...         return {"norm": jax.ShapeDtypeStruct((), x.dtype)}
-    ...     @jd.forward
-    ...     def apply(self, x, *, saved=None):
-    ...         norm = np.linalg.norm(x)
-    ...         if saved is not None:
-    ...             saved["norm"][...] = norm
-    ...         return x / norm
-    ...     @jd.vjp
-    ...     def pull(self, x, ct, *, saved, result):
-    ...         return (ct - result * np.dot(result, ct)) / saved["norm"]
-    >>> jax.grad(lambda x: Normalize()(x)[0])(jnp.array([3.0, 4.0])).tolist()
-    [0.128, -0.096]
-""")
 
 
 def rule_of(value) -> Rule | None:
@@ -335,7 +177,8 @@ def collect_rules(cls) -> list[Rule]:
             elif attr in seen:
                 if callable(value):
                     seen[attr] = dataclasses.replace(
-                        seen[attr], name=attr, function=value, zero_copy=_takes_out(value))
+                        seen[attr], name=attr, function=value, zero_copy=_takes_out(value),
+                        wanted=_takes_keyword(value, "wanted"))
                 else:
                     del seen[attr]
     return list(seen.values())

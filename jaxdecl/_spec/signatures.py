@@ -40,9 +40,10 @@ from .._errors import DeclarationError
 from .cfunction import CFunction
 
 #: Keyword-only parameters jaxdecl fills in when a rule declares them: the
-#: zero-copy outputs, and the residuals and forward's result (which rules may
-#: take them is checked by :mod:`jaxdecl._spec.residuals`).
-PASSED_BY_KEYWORD = ("out", "saved", "result")
+#: zero-copy outputs, the residuals and forward's result (which rules may
+#: take them is checked by :mod:`jaxdecl._spec.residuals`), and which
+#: cotangents are asked for (``wanted``: @vjp, @transpose, @adjoint).
+PASSED_BY_KEYWORD = ("out", "saved", "result", "wanted")
 
 # Rules whose arguments are the op's inputs, named as @abstract names them, and
 # the keyword-only parameters each may have besides.
@@ -200,15 +201,17 @@ def op_inputs(cls_name: str, rules: dict, transposes_wrt: dict) -> tuple:
 
 
 def check_rules(cls_name: str, rules: dict, transposes_wrt: dict, params: tuple,
-                nondiff: frozenset) -> None:
+                nondiff: frozenset, lead: tuple = ()) -> None:
     """Checks the derivative and batching rules' arity as far as the class decides it.
 
     Lower bounds only where the count depends on dtypes: every such rule takes
-    the values it is linear in, at least one of them.
+    the values it is linear in, at least one of them. `lead` names the inputs
+    a linear op's transpose takes before the cotangents (those it is not linear in).
     """
     n = len(params)
     may_diff = [p for p in params if p not in nondiff]
-    fixed = [p for p in params if p in nondiff]
+    fixed = list(lead)
+    partly = any(p not in nondiff for p in fixed)
     checks = []  # (rule, least count after self, most count or None, expected names, why)
     if "jvp" in rules:
         if not may_diff:
@@ -227,7 +230,8 @@ def check_rules(cls_name: str, rules: dict, transposes_wrt: dict, params: tuple,
         if kind in rules:
             what = "y" if kind == "adjoint" else "ct"
             checks.append((rules[kind], len(fixed) + 1, None, fixed + [what],
-                           "the op's nondiff= and integer inputs, then one "
+                           ("the inputs the op is not linear in" if partly else
+                            "the op's nondiff= and integer inputs") + ", then one "
                            + ("value per output (it returns the adjoint A^H y)"
                               if kind == "adjoint" else "cotangent per floating output")))
     for wrt, rule in transposes_wrt.items():

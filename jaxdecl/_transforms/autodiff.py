@@ -1,12 +1,24 @@
-"""Forward- and reverse-mode rules of the ``jaxdecl_call`` primitive.
+"""Forward-mode rules of the ``jaxdecl_call`` primitive: the jvp of every equation.
 
 The wiring that gives an opaque function both modes: the forward rule's JVP
 binds the ``jvp`` rule, linear in the tangents; transposing that binds the
-``vjp`` rule, linear in the cotangents; transposing *that* binds ``jvp`` again.
-Linear ops map forward <-> ``transpose``; multilinear ops map forward <->
-``transpose_wrt`` one input at a time. Each rule is linear (or multilinear) in
-some operands (its "linear operands"); a tangent on any other operand needs a second
-derivative, which exists only for traceable rules.
+``vjp`` rule, linear in the cotangents; transposing *that* binds ``jvp`` again
+(:mod:`jaxdecl._transforms.transposition`). Linear ops map forward <->
+``transpose``; multilinear ops map forward <-> ``transpose_wrt`` one input at a
+time. Each rule is linear (or multilinear) in some operands (its "linear
+operands"); a tangent on any other operand needs a second derivative
+(:mod:`jaxdecl._transforms.second_order`).
+
+A partly linear op (``linear=("strengths",)``) takes both paths: the forward's
+tangent with respect to its linear inputs is the forward applied to their
+tangents (no @jvp runs), with respect to the others its ``jvp`` rule.
+
+Symbolic zeros stay symbolic where a rule can take them: a ``jvp`` equation
+of a ``@jvp(zeros=True)`` carries only the tangents that are not zero (its
+``active`` leaves, see :func:`jaxdecl._spec.rule_io.active_mask`; the op's
+``zero_tangents``); one of a ``@vjp`` that takes ``wanted`` returns only the
+cotangents asked for (see :mod:`jaxdecl._transforms.transposition`). Elsewhere
+zeros are instantiated, as a rule without ``zeros=True`` expects them.
 
 An op whose rules take ``saved=`` or ``result=`` binds ``forward_saving`` (or
 the plain forward, for ``result`` alone) *before* its ``jvp`` and passes the
@@ -22,6 +34,8 @@ import jax.numpy as jnp
 from .. import _compat
 from .._errors import MissingRuleError, missing_rule
 from .._spec.interface import FORWARD, FORWARD_SAVING, JVP, TRANSPOSE, TRANSPOSE_WRT, VJP
+from .._spec.rule_io import active_subset
+from . import second_order as _second_order
 from .primitive import bind, broadcast_vmapped, jaxdecl_p
 
 Zero = _compat.Zero
@@ -30,6 +44,14 @@ Zero = _compat.Zero
 def _is_zero(t) -> bool:
     return type(t) is Zero
 
+
+def _is_float0(t) -> bool:
+    return not _is_zero(t) and getattr(t, "dtype", None) == jax.dtypes.float0
+
+
+# ---------------------------------------------------------------------------------------
+# The jvp rule
+# ---------------------------------------------------------------------------------------
 
 def _check_nondiff(op, interface, tangents, inputs=None) -> None:
     """A tangent on a nondiff= input is an error, never silently dropped.
@@ -48,95 +70,28 @@ def _check_nondiff(op, interface, tangents, inputs=None) -> None:
             )
 
 
-def _linear_operands(op, interface, rule, wrt):
-    """Operand indices a rule is linear (or multilinear) in."""
-    n = len(interface.inputs)
-    n_ct = sum(interface.float_out)
-    diff = interface.diff_indices
-    if rule == FORWARD:
-        return diff
-    if rule == JVP:
-        return tuple(range(n, n + len(diff)))
-    if rule == VJP:
-        return tuple(range(n, n + n_ct))
-    if rule == TRANSPOSE:
-        n_lead = n - len(diff)
-        return tuple(range(n_lead, n_lead + n_ct))
-    # transpose_wrt: the other differentiable inputs, then the cotangents
-    others = [i for i in range(n) if i != wrt]
-    return tuple(k for k, i in enumerate(others) if interface.diff[i]) + tuple(
-        range(n - 1, n - 1 + n_ct))
-
-
-def _second_order_form(eqn):
-    """A JAX-traceable version of the jvp/vjp rule, so it can be differentiated again."""
-    rule, interface = eqn.rule, eqn.interface
-    own = eqn.traceable()
-    if own is not None:
-        return own
-    other = eqn.traceable(VJP if rule == JVP else JVP)
-    if other is None:
-        return None
-    n = len(interface.inputs)
-    # Extras (the forward's outputs, residuals) follow the linear operands; they pass through.
-    n_linear = len(interface.diff_indices) if rule == JVP else sum(interface.float_out)
-    if rule == JVP:  # jvp(x, .) is the transpose of vjp(x, .)
-        ct_avals = [interface.outputs[j] for j in interface.float_out_indices]
-
-        def jvp_form(*operands):
-            xs, dxs, extras = operands[:n], operands[n:n + n_linear], operands[n + n_linear:]
-            structs = [jax.ShapeDtypeStruct(s, d) for s, d in ct_avals]
-            return list(jax.linear_transpose(lambda *c: other(*xs, *c, *extras),
-                                             *structs)(list(dxs)))
-
-        return jvp_form
-    dx_avals = [interface.inputs[i] for i in interface.diff_indices]
-
-    def vjp_form(*operands):
-        xs, cts, extras = operands[:n], operands[n:n + n_linear], operands[n + n_linear:]
-        structs = [jax.ShapeDtypeStruct(s, d) for s, d in dx_avals]
-        return list(jax.linear_transpose(lambda *d: other(*xs, *d, *extras),
-                                         *structs)(list(cts)))
-
-    return vjp_form
-
-
-def _not_differentiable(op, rule) -> MissingRuleError:
-    spec = op.spec
-    method = spec.describe(rule)
-    return MissingRuleError(
-        f"{method} (@{rule}) is a NumPy rule, so JAX cannot differentiate it again: second "
-        f"derivatives of {spec.name} (hessian, jvp of grad, grad of grad) need "
-        f"`@jd.{rule}(traceable=True)` written with jax.numpy or other jaxdecl ops (a "
-        f"traceable @{'vjp' if rule == JVP else 'jvp'} also works)"
-    )
-
-
 def jvp_rule(operands, tangents, *, equation):
     eqn = equation
-    op, rule, wrt, batch = eqn.op, eqn.rule, eqn.wrt, eqn.batch
+    op, rule = eqn.op, eqn.rule
     spec = op.spec
     interface = eqn.interface
     if rule in (FORWARD, FORWARD_SAVING):
         _check_nondiff(op, interface, tangents[:len(interface.inputs)])
-        if not spec.linear and not spec.multilinear:
+        if spec.linear:
+            return _jvp_linear(eqn, operands, tangents)
+        if not spec.multilinear:
             return _jvp_nonlinear(eqn, interface, operands, tangents)
     elif rule in (TRANSPOSE, TRANSPOSE_WRT):
-        lead = [i for i in range(len(interface.inputs)) if i != wrt] if rule == TRANSPOSE_WRT \
-            else list(interface.nondiff_indices)
+        lead = [i for i in range(len(interface.inputs)) if i != eqn.wrt] \
+            if rule == TRANSPOSE_WRT else list(interface.lead_indices)
         _check_nondiff(op, interface, tangents[:len(lead)], lead)
 
-    linear = _linear_operands(op, interface, rule, wrt)
+    linear = eqn.io.linear
     others = [k for k in range(len(operands)) if k not in linear]
     if any(not _is_zero(tangents[k]) and tangents[k].dtype != jax.dtypes.float0
            for k in others):
-        # A tangent on a non-linear operand: differentiate a traceable form.
-        form = _second_order_form(eqn) if rule in (JVP, VJP) else None
-        if form is None:
-            raise _not_differentiable(op, rule if rule in (JVP, VJP) else JVP)
-        evaluate = broadcast_vmapped(form, batch)
-        dense = [_compat.instantiate_zeros(t) if _is_zero(t) else t for t in tangents]
-        return jax.jvp(lambda *a: evaluate(*a), list(operands), dense)
+        # A tangent on a non-linear operand: a second derivative.
+        return _second_order.jvp(eqn, operands, tangents)
 
     outs = bind(eqn, operands)
     out_avals = [o.aval for o in outs]
@@ -144,8 +99,14 @@ def jvp_rule(operands, tangents, *, equation):
     live = [k for k in linear if not _is_zero(tangents[k])]
     if not live:
         return outs, [_compat.float0_zero(a) for a in out_avals]
-    jointly_linear = rule in (JVP, VJP, TRANSPOSE) or (rule == FORWARD and spec.linear)
-    if jointly_linear:
+    if rule == JVP and spec.zero_tangents:
+        # Linear in its tangents, and takes None for a zero one: only the live ones.
+        n, leaves = len(interface.inputs), eqn.io.carried
+        active = active_subset(interface, JVP, [leaves[k - n] for k in live])
+        extras = list(operands[n + len(leaves):])
+        terms = [bind(eqn.with_rule(JVP, active=active),
+                      list(operands[:n]) + [tangents[k] for k in live] + extras)]
+    elif rule in (JVP, VJP, TRANSPOSE):  # jointly linear
         args = list(operands)
         for k in linear:
             args[k] = _compat.instantiate_zeros(tangents[k])
@@ -163,42 +124,62 @@ def jvp_rule(operands, tangents, *, equation):
     return outs, tangents_out
 
 
-def _is_float0(t) -> bool:
-    return not _is_zero(t) and getattr(t, "dtype", None) == jax.dtypes.float0
+def _jvp_linear(eqn, operands, tangents):
+    """The forward of a linear op: its tangent with respect to the linear inputs is the
+    forward of their tangents; a partly linear op's others go through its jvp rule."""
+    interface = eqn.interface
+    if any(not _is_zero(tangents[i]) for i in interface.other_indices):
+        return _jvp_nonlinear(eqn, interface, operands, tangents)
+    outs = bind(eqn, operands)
+    linear = interface.linear_indices
+    if all(_is_zero(tangents[i]) for i in linear) or not any(interface.float_out):
+        return outs, [_compat.float0_zero(o.aval) for o in outs]
+    if eqn.rule == FORWARD_SAVING:  # second order: what it keeps depends on the inputs
+        _refuse_residual_tangents(eqn.op, interface)
+    args = list(operands)
+    for i in linear:  # (a linear input whose tangent is zero contributes nothing)
+        args[i] = _compat.instantiate_zeros(tangents[i])
+    tangent_outs = bind(eqn.with_rule(FORWARD), args)
+    return outs, [t if f else _compat.float0_zero(o.aval) for t, f, o in
+                  zip(tangent_outs, interface.float_out, outs)] + [
+        _compat.float0_zero(o.aval) for o in outs[len(interface.outputs):]]
 
 
 def _jvp_nonlinear(eqn, interface, operands, tangents):
     """The forward and its tangents; the rule is ``forward_saving`` only at second order."""
     op, rule = eqn.op, eqn.rule
-    diff = interface.diff_indices
-    keeps = op.spec.keeps
-    live = any(not _is_zero(tangents[i]) for i in diff)
+    spec = op.spec
+    keeps = spec.keeps
+    live = [i for i in interface.diff_indices if not _is_zero(tangents[i])]
     if not live or not any(interface.float_out):
         outs = bind(eqn, operands)
         return outs, [_compat.float0_zero(o.aval) for o in outs]
     if rule == FORWARD_SAVING:
         _refuse_residual_tangents(op, interface)
-    dxs = [_compat.instantiate_zeros(tangents[i]) for i in diff]
-    inline = eqn.traceable(JVP)
-    inline = inline if "vjp" not in op.spec.rules else None  # else @vjp serves reverse mode
+    active = active_subset(interface, JVP, live) if spec.zero_tangents else None
+    dxs = [_compat.instantiate_zeros(tangents[i])
+           for i in (interface.diff_indices if active is None else active)]
+    # A traceable @jvp is inlined (JAX transposes it), unless a @vjp serves reverse mode.
+    inline = eqn.traceable(JVP, active, symbolic=True) if "vjp" not in spec.rules else None
     if keeps is None:
         # Bound before the forward so that a missing @jvp fails before any rule runs.
-        tangent_outs = _tangents(eqn, inline, operands, dxs, ())
+        tangent_outs = _tangents(eqn, inline, active, operands, dxs, ())
         outs = bind(eqn.with_rule(FORWARD), operands)
         extra_outs = []
     else:
-        if inline is None and "jvp" not in op.spec.rules and \
+        if inline is None and "jvp" not in spec.rules and \
                 not any(isinstance(d, _compat.Tracer) for d in dxs):
-            raise missing_rule(op.spec, JVP)  # eager forward mode: before the forward runs
+            raise missing_rule(spec, JVP)  # eager forward mode: before the forward runs
         # One forward: its outputs and residuals are the jvp's (and so the vjp's) extras.
-        saving = keeps.saved
-        all_outs = bind(eqn.with_rule(FORWARD_SAVING if saving else FORWARD), operands)
+        all_outs = bind(eqn.with_rule(FORWARD_SAVING if keeps.saved else FORWARD), operands)
         outs, extra_outs = all_outs[:len(interface.outputs)], all_outs[len(interface.outputs):]
         extras = (list(outs) if keeps.result else []) + list(extra_outs)
-        tangent_outs = _tangents(eqn, inline, operands, dxs, extras)
+        tangent_outs = _tangents(eqn, inline, active, operands, dxs, extras)
     tangent_iter = iter(tangent_outs)
-    out_tangents = [next(tangent_iter) if f else _compat.float0_zero(o.aval)
-                    for f, o in zip(interface.float_out, outs)]
+    out_tangents = []
+    for f, o in zip(interface.float_out, outs):
+        t = next(tangent_iter) if f else None
+        out_tangents.append(_compat.float0_zero(o.aval) if t is None else t)
     if rule == FORWARD:  # the residuals stay inside the derivative
         return list(outs), out_tangents
     # forward_saving (second order): its residuals are integers, with no tangent
@@ -206,17 +187,25 @@ def _jvp_nonlinear(eqn, interface, operands, tangents):
         _compat.float0_zero(o.aval) for o in extra_outs]
 
 
-def _tangents(eqn, inline, operands, dxs, extras):
-    """The output tangents: the traceable @jvp inlined, or the jvp equation bound."""
+def _tangents(eqn, inline, active, operands, dxs, extras):
+    """The output tangents: the traceable @jvp inlined (None: a symbolic zero), or the jvp
+    equation bound."""
     operands = list(operands) + list(dxs) + list(extras)
     if inline is not None:  # JAX differentiates and transposes the traceable rule itself
         return broadcast_vmapped(inline, eqn.batch)(*operands)
-    return bind(eqn.with_rule(JVP), operands)
+    results = bind(eqn.with_rule(JVP, active=active), operands)
+    rule = eqn.spec.rules.get(JVP)
+    if rule is not None and rule.traceable and rule.zeros:
+        # Bound for its @vjp's sake: the tangents the rule returns as None stay symbolic.
+        symbolic = broadcast_vmapped(eqn.traceable(JVP, active, symbolic=True), eqn.batch)
+        shapes = jax.eval_shape(symbolic, *operands)
+        results = [None if shape is None else r for r, shape in zip(results, shapes)]
+    return results
 
 
 def _refuse_residual_tangents(op, interface) -> None:
     """Second order through residuals: their derivative is unknown, so never silently zero."""
-    if any(_is_inexact(dtype) for _, dtype in interface.saved):
+    if any(jnp.issubdtype(dtype, jnp.inexact) for _, dtype in interface.saved):
         spec = op.spec
         raise MissingRuleError(
             f"{spec.name} keeps floating-point residuals ({spec.describe('residuals')}, "
@@ -226,164 +215,4 @@ def _refuse_residual_tangents(op, interface) -> None:
             f"`saved`, declared traceable=True")
 
 
-def _is_inexact(dtype) -> bool:
-    return jnp.issubdtype(dtype, jnp.inexact)
-
-
-# ---------------------------------------------------------------------------------------
-# Transposition
-# ---------------------------------------------------------------------------------------
-
-def _fit(ct, aval):
-    """Sums a cotangent over batch dimensions its operand broadcast (had size 1)."""
-    if ct is None or _is_zero(ct) or tuple(ct.shape) == tuple(aval.shape):
-        return ct
-    axes = tuple(i for i, (c, a) in enumerate(zip(ct.shape, aval.shape)) if a == 1 and c != 1)
-    return jnp.sum(ct, axis=axes, keepdims=True)
-
-
-def _operand_aval(x):
-    return x.aval if _compat.is_undefined_primal(x) else _compat.get_aval(x)
-
-
-def transpose_rule(cts, *operands, equation):
-    """JAX's transpose of an equation: which rule transposes it is each step's below."""
-    eqn = equation
-    undefined = [k for k, x in enumerate(operands) if _compat.is_undefined_primal(x)]
-    float_cts = [c for c, f in zip(cts, eqn.interface.float_out) if f] if eqn.rule == FORWARD \
-        else list(cts)
-    if all(_is_zero(c) for c in float_cts):
-        return [Zero(operands[k].aval) if k in undefined else None
-                for k in range(len(operands))]
-    float_cts = [_compat.instantiate_zeros(c) for c in float_cts]
-    step = _TRANSPOSES[eqn.rule]
-    if eqn.rule == FORWARD:
-        step = _transpose_linear if eqn.spec.linear else _transpose_multilinear
-    out_cts = step(eqn, operands, undefined, float_cts)
-    return [_typed_like(_fit(c, _operand_aval(operands[k])), _operand_aval(operands[k]))
-            if k in undefined else None for k, c in enumerate(out_cts)]
-
-
-def _inputs(n: int, **placed) -> list:
-    """The op's `n` inputs (for a forward or a transpose_wrt equation): values placed at
-    their input positions, given as ``positions=values`` pairs of sequences."""
-    args = [None] * n
-    for positions, values in placed.values():
-        for i, value in zip(positions, values):
-            args[i] = value
-    return args
-
-
-def _from(start: int, results, count: int) -> list:
-    """`count` cotangents: `results` from operand `start` on, None elsewhere."""
-    out_cts = [None] * count
-    for k, result in zip(range(start, count), results):
-        out_cts[k] = result
-    return out_cts
-
-
-def _transpose_linear(eqn, operands, undefined, float_cts) -> list:
-    """forward of a linear op -> its transpose, given the non-differentiable inputs."""
-    interface, out_cts = eqn.interface, [None] * len(operands)
-    lead = interface.nondiff_indices
-    if any(k in undefined for k in lead):
-        raise ValueError(f"{eqn.name}: a nondiff input cannot be transposed")
-    results = bind(eqn.with_rule(TRANSPOSE), [operands[k] for k in lead] + float_cts)
-    for i, r in zip(interface.diff_indices, results):
-        if i in undefined:
-            out_cts[i] = r
-    return out_cts
-
-
-def _transpose_multilinear(eqn, operands, undefined, float_cts) -> list:
-    """forward of a multilinear op -> its transpose w.r.t. the one undefined input."""
-    if len(undefined) != 1:
-        raise ValueError(f"{eqn.name} is multilinear: it is linear in one input at a time, "
-                         f"but {len(undefined)} inputs were transposed together")
-    i, out_cts = undefined[0], [None] * len(operands)
-    others = [operands[k] for k in range(len(eqn.interface.inputs)) if k != i]
-    out_cts[i] = bind(eqn.with_rule(TRANSPOSE_WRT, i), others + float_cts)[0]
-    return out_cts
-
-
-def _transpose_derivative(eqn, operands, undefined, float_cts) -> list:
-    """jvp and vjp transpose into each other; the extras (outputs, residuals) pass along."""
-    n, other = len(eqn.interface.inputs), VJP if eqn.rule == JVP else JVP
-    extras = list(operands[len(operands) - eqn.io.n_extra:])
-    args = list(operands[:n]) + float_cts + extras
-    inline = eqn.traceable(other)
-    if inline is not None:
-        results = broadcast_vmapped(inline, eqn.batch)(*args)
-    elif other in eqn.spec.rules:
-        results = bind(eqn.with_rule(other), args)
-    else:
-        raise missing_rule(eqn.spec, other)
-    return _from(n, results, len(operands))
-
-
-def _transpose_of_transpose(eqn, operands, undefined, float_cts) -> list:
-    """transpose -> the forward, with the cotangents as its differentiable inputs."""
-    interface = eqn.interface
-    lead = interface.nondiff_indices
-    args = _inputs(len(interface.inputs), lead=(lead, operands), diff=(interface.diff_indices,
-                                                                      float_cts))
-    results = bind(eqn.with_rule(FORWARD), args)
-    return _from(len(lead), [r for r, f in zip(results, interface.float_out) if f], len(operands))
-
-
-def _transpose_of_transpose_wrt(eqn, operands, undefined, float_cts) -> list:
-    """transpose_wrt is multilinear in (the other differentiable inputs, the cotangents):
-    w.r.t. the cotangents, the forward with input `wrt` set to ct; w.r.t. another input
-    j, the transpose w.r.t. j with `wrt` set to ct."""
-    n, wrt, interface = len(eqn.interface.inputs), eqn.wrt, eqn.interface
-    others = [i for i in range(n) if i != wrt]
-    args = _inputs(n, others=(others, operands), wrt=((wrt,), float_cts[:1]))
-    out_cts = [None] * len(operands)
-    if undefined and all(k >= n - 1 for k in undefined):
-        results = bind(eqn.with_rule(FORWARD), args)
-        float_results = [r for r, f in zip(results, interface.float_out) if f]
-        for k, r in zip(range(n - 1, len(operands)), float_results):
-            if k in undefined:
-                out_cts[k] = r
-    elif len(undefined) == 1:
-        position = undefined[0]
-        j = others[position]
-        rest = [args[i] for i in range(n) if i != j]
-        cts_in = list(operands[n - 1:])
-        out_cts[position] = bind(eqn.with_rule(TRANSPOSE_WRT, j), rest + cts_in)[0]
-    else:
-        raise ValueError(f"{eqn.name}: a multilinear transpose was transposed in "
-                         f"{len(undefined)} operands at once")
-    return out_cts
-
-
-_TRANSPOSES = {FORWARD: None, JVP: _transpose_derivative, VJP: _transpose_derivative,
-               TRANSPOSE: _transpose_of_transpose,
-               TRANSPOSE_WRT: _transpose_of_transpose_wrt}
-
-
-def _typed_like(ct, aval):
-    """`ct` with its primal's sharding type (Explicit axes), as JAX requires of cotangents.
-
-    A rule's result is typed by its plan (a transpose knows its operands, not the
-    primal it stands for): where the primal's type says otherwise, reshard to it.
-    """
-    if ct is None or _is_zero(ct) or not _compat.COTANGENTS_TYPED_LIKE_PRIMALS:
-        return ct
-    have = getattr(getattr(ct, "aval", None), "sharding", None)
-    if have is None or getattr(have.mesh, "empty", True) or \
-            not _compat.has_explicit_axes(have.mesh):
-        return ct
-    want = getattr(aval, "sharding", None)
-    if want is None or getattr(want.mesh, "empty", True):
-        # A primal with no mesh in its type: JAX leaves its cotangent as computed.
-        return ct
-    spec = tuple(want.spec) + (None,) * (len(ct.shape) - len(want.spec))
-    if tuple(have.spec) + (None,) * (len(ct.shape) - len(have.spec)) == spec:
-        return ct
-    # A sharding with its mesh: JAX < 0.9 refuses a bare spec outside jax.set_mesh.
-    return _compat.reshard(ct, _compat.NamedSharding(have.mesh, _compat.P(*spec)))
-
-
 _compat.ad.primitive_jvps[jaxdecl_p] = jvp_rule
-_compat.ad.primitive_transposes[jaxdecl_p] = transpose_rule

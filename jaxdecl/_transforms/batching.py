@@ -8,8 +8,12 @@ calls the NumPy rule once per element inside one XLA call (``batch="loop"``)
 or hands it the whole batch (``batch="vectorized"``). Derived rules (jvp, vjp,
 transpose) batch the same way, so users write no batching code for them.
 
-A user ``@batch`` rule handles the forward; a linear op's ``transpose`` is then
-batched as the transpose of that batched forward, so one rule serves both. The
+A user ``@batch`` rule handles the forward; a linear op's ``transpose`` (a
+partly linear op's too, its other inputs batched or not as ``vmap`` gives them)
+is then batched as the transpose of that batched forward, so one rule serves
+both. A derivative equation keeps its active leaves under ``vmap``: a zero
+tangent or an unwanted cotangent is no more an operand or a result batched
+than unbatched. The
 rule sees every mix of batched and unbatched inputs ``vmap`` can make; by
 returning ``NotImplemented`` it declines one, which then batches as without it
 (the class's ``batch=`` mode).
@@ -48,7 +52,7 @@ def batch_rule(args, dims, *, equation):
             return batched
     elif user is not None and rule == TRANSPOSE:
         try:
-            return _transpose_of_user_batch(op, args, dims, eqn.interface)
+            return _transpose_of_user_batch(op, args, dims, eqn.interface, eqn.io.carried)
         except _Declined:
             pass
     size = _batch_size(args, dims)
@@ -115,11 +119,12 @@ def _user_batch(op, args, dims, interface):
     return _call_user_batch(op, args, axes, interface)
 
 
-def _transpose_of_user_batch(op, args, dims, interface):
-    """Batches ``transpose`` as the linear transpose of the user's batched forward."""
+def _transpose_of_user_batch(op, args, dims, interface, returned):
+    """Batches ``transpose`` as the linear transpose of the user's batched forward; its
+    results are the cotangents of the `returned` linear leaves."""
     n = len(interface.inputs)
-    diff = interface.diff_indices
-    lead = interface.nondiff_indices
+    diff = interface.linear_indices
+    lead = interface.lead_indices
     size = _batch_size(args, dims)
     n_lead = len(lead)
     lead_args, lead_dims = args[:n_lead], dims[:n_lead]
@@ -144,7 +149,8 @@ def _transpose_of_user_batch(op, args, dims, interface):
     structs = [jax.ShapeDtypeStruct((size,) + interface.inputs[i][0], interface.inputs[i][1])
                for i in diff]
     results = jax.linear_transpose(batched_forward, *structs)(cts)
-    return list(results), [0] * len(results)
+    results = [results[diff.index(i)] for i in returned]
+    return results, [0] * len(results)
 
 
 class _Declined(Exception):

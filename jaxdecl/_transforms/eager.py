@@ -51,6 +51,9 @@ _ffi_lowering = jax.ffi.ffi_lowering(_runtime.EAGER_TARGET, has_side_effect=Fals
 
 
 def _lowering(ctx, slot, *operands, out_avals):
+    # (`run` names the op: the eager executable is shared by every op)
+    _errors.refuse_other_platforms(ctx.platforms or ctx.module_context.platforms,
+                                   "a jaxdecl op")
     return _ffi_lowering(ctx, slot, *operands)  # out_avals are ctx.avals_out already
 
 
@@ -62,7 +65,7 @@ def _impl(slot, *operands, out_avals):
 
 eager_p.def_impl(_impl)
 eager_p.def_abstract_eval(_abstract_eval)
-_compat.mlir.register_lowering(eager_p, _lowering, platform="cpu")
+_compat.register_lowering(eager_p, _lowering)  # CPU and CUDA: the same target names
 
 
 @functools.lru_cache(maxsize=1024)
@@ -141,6 +144,8 @@ def run(call: Call, operands):
     try:
         try:
             results = call.caller(call.slot, *operands)
+        except _errors.PlatformError as error:
+            raise error.naming(call.kernel.name) from None
         except RecursionError as error:  # a rule calling an op of its own signature
             if "Recursively calling" not in str(error) or not call.nests:
                 raise

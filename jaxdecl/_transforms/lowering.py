@@ -38,7 +38,7 @@ import warnings
 import jax
 import numpy as np
 
-from .. import _compat
+from .. import _compat, _errors
 from .._host import registry as _runtime
 from .._op import fingerprint as _fingerprint
 from .._sharded import plan as _plan
@@ -64,8 +64,17 @@ def _program_mesh(ctx):
 
 
 def lower(ctx, *args, equation):
-    """The lowering rule of ``jaxdecl_call`` on CPU."""
+    """The lowering rule of ``jaxdecl_call``, on CPU and CUDA alike.
+
+    The platform is a detail of the runtime: the same custom call (by target
+    name) runs jaxdecl's CPU handler or its CUDA one, so one lowering serves a
+    program exported for both. Other platforms are refused here, naming the op.
+    """
     eqn = equation
+    # (a platform_dependent branch, or a multi-platform export's, narrows ctx.platforms)
+    platforms = ctx.platforms or ctx.module_context.platforms
+    if not _RUNS_ON.issuperset(platforms):
+        _errors.refuse_other_platforms(platforms, _described(eqn))
     traceable = eqn.traceable()
     if traceable is not None:
         evaluate = broadcast_vmapped(traceable, eqn.batch)
@@ -95,6 +104,19 @@ def lower(ctx, *args, equation):
             return lower_per_shard_map(ctx, args, eqn, mesh, proposed=True)
         return lower_partitioned(ctx, args, eqn, factors)
     return lower_per_shard_map(ctx, args, eqn, mesh)
+
+
+_RUNS_ON = frozenset(_errors.PLATFORMS)
+
+
+def _described(eqn) -> str:
+    """``Class.method (@kind)`` of the rule `eqn` runs, for messages (the class alone when
+    it has no such rule: lowering says so next)."""
+    try:
+        rule = eqn.user_rule()
+    except _errors.MissingRuleError:
+        return eqn.name
+    return f"{eqn.name}.{rule.name} (@{rule.kind})"
 
 
 def _refuse_partly_manual(ctx, eqn) -> None:
@@ -316,6 +338,6 @@ def lower_per_shard_map(ctx, args, eqn, mesh, proposed: bool = False):
         return _compat.mlir.lower_fun(whole, multiple_results=True)(ctx, *args)
 
 
-# The primitive's lowering on CPU: registered here, where it is defined (importing
-# jaxdecl imports this module).
-_compat.mlir.register_lowering(jaxdecl_p, lower, platform="cpu")
+# The primitive's lowering, one rule for every platform (CPU and CUDA; others are
+# refused): registered here, where it is defined (importing jaxdecl imports this module).
+_compat.register_lowering(jaxdecl_p, lower)

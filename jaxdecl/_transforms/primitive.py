@@ -55,17 +55,27 @@ def bind(eqn: Equation, operands) -> list:
 
 
 def broadcast_vmapped(function, batch: tuple):
-    """Applies a traceable rule to operands with leading (maybe size-1) batch dims."""
+    """Applies a traceable rule to operands with leading (maybe size-1) batch dims.
+
+    An operand of size 1 along a batch dim is unbatched there: it is mapped
+    with ``in_axes=None``, never broadcast to the batch's size. A rule's result
+    that is None (a symbolic zero) stays None.
+    """
     if not batch:
         return function
 
     def batched(*operands):
-        full = [jax.numpy.broadcast_to(x, batch + tuple(x.shape[len(batch):]))
-                for x in operands]
+        mapped_dims, squeezed = [], []
+        for x in operands:
+            mapped = tuple(s == b for s, b in zip(x.shape[:len(batch)], batch))
+            drop = tuple(k for k, m in enumerate(mapped) if not m)
+            squeezed.append(jax.lax.squeeze(x, drop) if drop else x)
+            mapped_dims.append(mapped)
         mapped = function
-        for _ in batch:
-            mapped = jax.vmap(mapped)
-        return mapped(*full)
+        for k in reversed(range(len(batch))):  # the outermost vmap maps batch dim 0
+            mapped = jax.vmap(mapped, in_axes=tuple(0 if m[k] else None for m in mapped_dims),
+                              axis_size=batch[k])
+        return mapped(*squeezed)
 
     return batched
 

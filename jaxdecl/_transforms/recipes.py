@@ -34,13 +34,17 @@ from .._op.identity import handle_of
 from .._spec.interface import TreeAval
 from .._version import __version__ as VERSION
 
-#: The recipe format this jaxdecl writes, and the only one it reads (the rule is
-#: in docs/concepts/saving.md). Bumped when what a recipe holds or how its values
-#: are encoded changes (a field, a value tag, even an added one), and with every
-#: change of the kernel ABI (``_op._KERNEL_ABI``): a recipe rebuilds the kernel of
-#: a program compiled against the ABI of its own time, so a recipe of another ABI
-#: must be refused, not rebuilt.
-FORMAT = 1
+#: The newest recipe format this jaxdecl writes and reads, and the oldest it reads
+#: (the rule is in docs/concepts/saving.md). A new format comes when what a recipe
+#: holds or how its values are encoded changes (a field, a value tag, even an added
+#: one); every recipe is written in the oldest format that describes it
+#: (:func:`format_of`), so that a program that uses nothing newer loads in the
+#: jaxdecls of that format too. A change of the kernel ABI (``_op._KERNEL_ABI``)
+#: makes OLDEST the new format: a recipe rebuilds the kernel of a program compiled
+#: against the ABI of its own time, so a recipe of another ABI must be refused,
+#: not rebuilt.
+FORMAT = 2
+OLDEST = 1
 #: Outside ``jax.export``, a configuration that saves to more text than this is
 #: left out of compiled programs (it would weigh on every compilation); its
 #: programs then run only in this process. Exported programs always carry it.
@@ -73,6 +77,12 @@ def _signature_of(form) -> tuple:
                  if e and e[0] == "tree" else aval(e) for e in form)
 
 
+def format_of(eqn) -> int:
+    """The oldest recipe format that describes `eqn`: 2 for an equation that carries some of
+    the tangents or returns some of the cotangents (its ``active`` leaves), else 1."""
+    return OLDEST if eqn.active is None else FORMAT
+
+
 def recipe(eqn, in_shapes: tuple, *, required: bool) -> str:
     """The recipe of `eqn`'s kernel at `in_shapes`; "" when it has none (or, when
     `required`, an :class:`~jaxdecl.ExportError` saying why and what to change)."""
@@ -92,20 +102,23 @@ def recipe(eqn, in_shapes: tuple, *, required: bool) -> str:
         return ""
     if not required and len(text) > LARGEST_IMPLICIT:
         return ""
-    return json.dumps({
-        "format": FORMAT, "jaxdecl": VERSION, "class": path, "state": "@STATE@",
+    fields = {
+        "format": format_of(eqn), "jaxdecl": VERSION, "class": path, "state": "@STATE@",
         # ("primals": the format's name for the signature, kept: format 1 reads it)
         "rule": eqn.rule, "wrt": eqn.wrt, "primals": signature, "batch": list(eqn.batch),
-        "in_shapes": [list(s) for s in in_shapes]}, separators=(",", ":")
-    ).replace('"@STATE@"', text)
+        "in_shapes": [list(s) for s in in_shapes]}
+    if eqn.active is not None:  # (format 2: a format 1 recipe is one without it)
+        fields["active"] = list(eqn.active)
+    return json.dumps(fields, separators=(",", ":")).replace('"@STATE@"', text)
 
 
 def read(data: bytes) -> dict:
-    """A recipe's fields; :class:`~jaxdecl.ExportError` unless it is of :data:`FORMAT`.
+    """A recipe's fields; :class:`~jaxdecl.ExportError` unless its format is one this
+    jaxdecl reads (:data:`OLDEST` to :data:`FORMAT`).
 
-    A jaxdecl reads only its own format. The refusal names the jaxdecl and the
-    format that saved the program, this jaxdecl and its format, and what to do:
-    an older format cannot be read any more, a newer one not yet.
+    The refusal names the jaxdecl and the format that saved the program, this
+    jaxdecl and its format, and what to do: an older format cannot be read any
+    more, a newer one not yet.
 
     Example:
         >>> from jaxdecl._transforms.recipes import FORMAT, read
@@ -125,7 +138,7 @@ def read(data: bytes) -> dict:
                           f"(this is jaxdecl {VERSION}, recipe format {FORMAT}): save the "
                           f"program again with jaxdecl {VERSION}")
     saved, found = fields.get("format"), fields.get("jaxdecl")
-    if type(saved) is int and saved == FORMAT:
+    if type(saved) is int and OLDEST <= saved <= FORMAT:
         return fields
     known = isinstance(found, str) and bool(found)
     by = f"jaxdecl {found}" if known else "an unknown jaxdecl"
@@ -133,9 +146,9 @@ def read(data: bytes) -> dict:
     if type(saved) is not int:
         raise ExportError(
             f"this program was saved by {by} (no recipe format); this is jaxdecl {VERSION} "
-            f"(recipe format {FORMAT}), which reads only format {FORMAT}: save the program "
-            f"again with jaxdecl {VERSION}")
-    if saved < FORMAT:
+            f"(recipe format {FORMAT}), which reads formats {OLDEST} to {FORMAT}: save the "
+            f"program again with jaxdecl {VERSION}")
+    if saved < OLDEST:
         raise ExportError(
             f"this program was saved by {by} (recipe format {saved}); this is jaxdecl "
             f"{VERSION} (recipe format {FORMAT}), which no longer reads format {saved}: save "
@@ -171,8 +184,10 @@ def resolve(data: bytes) -> tuple:
         except TypeError:  # cannot be weakly referenced: not shared
             pass
     op = BoundOp(handle_of(instance), instance)
+    active = fields.get("active")
     eqn = Equation(op, fields["rule"], _signature_of(fields["primals"]),
-                   tuple(fields["batch"]), fields["wrt"])
+                   tuple(fields["batch"]), fields["wrt"],
+                   None if active is None else tuple(active))
     kernel, _ = eqn.kernel(tuple(tuple(s) for s in fields["in_shapes"]))
     return kernel.slot, instance
 

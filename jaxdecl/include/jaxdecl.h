@@ -52,6 +52,18 @@ typedef int (*jaxdecl_kernel)(const jaxdecl_buffer* inputs, int64_t num_inputs,
                               const jaxdecl_buffer* outputs, int64_t num_outputs,
                               char* message, int64_t message_size);
 
+/* A C kernel for the GPU, a device rule:
+ *
+ *     apply_gpu = jd.forward(jd.cfunction(fn, platform="gpu"))
+ *
+ * The signature above plus XLA's CUDA stream (a cudaStream_t): the
+ * buffers' `data` are device pointers of the call's device (already the
+ * current one), and the function enqueues its work on `stream` and returns
+ * without synchronising.  0 on success, as above. */
+typedef int (*jaxdecl_gpu_kernel)(const jaxdecl_buffer* inputs, int64_t num_inputs,
+                                  const jaxdecl_buffer* outputs, int64_t num_outputs,
+                                  char* message, int64_t message_size, void* stream);
+
 #ifdef __cplusplus
 }
 #endif
