@@ -84,7 +84,8 @@ struct Kernel {
   // conjugated before the call and the results after it, which makes the
   // transpose conj(A^H conj(ct)); -1: not an adjoint.
   int c_conj_from = -1;
-  // The eager path's views (its shapes are the kernel's own).  GIL held.
+  // The views of the eager path and of CUDA's compiled calls (their shapes
+  // are the kernel's own).  GIL held.
   mutable ViewCache eager_views;
   // A device rule (platform="gpu"), which the CUDA handlers run on the
   // device buffers instead of staging them through the host rule above:
@@ -95,7 +96,8 @@ struct Kernel {
   PyObject* device_call = nullptr;
   jaxdecl_gpu_kernel gpu_function = nullptr;
   PyObject* gpu_keepalive = nullptr;
-  // The eager path's pinned host buffers on GPUs, made at its first GPU run.
+  // The pinned host buffers of the kernel's GPU runs (compiled and eager),
+  // made at its first GPU run.
   mutable std::mutex gpu_mutex;
   mutable std::shared_ptr<gpu::Staging> eager_staging;
   // False once the op the kernel calls is gone.  GIL held.

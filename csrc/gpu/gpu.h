@@ -21,10 +21,6 @@ namespace ffi = xla::ffi;
 std::string RunEager(const ffi::AnyBuffer& slot, ffi::RemainingArgs args,
                      ffi::RemainingRets rets, void* stream, int ordinal);
 
-// The FFI state type of compiled call sites on CUDA (its id and TypeInfo).
-void* CudaCallSiteTypeId();
-const void* CudaCallSiteTypeInfo();
-
 // Adds the GPU room's functions to the extension module.
 void DefineModule(pybind11::module_& m);
 

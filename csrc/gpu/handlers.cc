@@ -8,9 +8,14 @@
 // own device), and runs its kernel through RunOnDevice (staging.h): a device
 // rule on the device buffers, or the host rule on pinned host copies.
 //
-// A compiled call site's state on CUDA is a call site (call_site.h) plus its
-// pinned buffers, a state type of its own: the CUDA plugin keeps a type
-// registry apart from the CPU client's, and each assigns its own type id.
+// A compiled call site on CUDA keeps no FFI state: XLA's CUDA backend (seen
+// with JAX 0.11) crashes while compiling a custom call whose handler has an
+// instantiate stage, before that stage runs.  So each run finds its kernel by
+// the fingerprint its attributes carry (a hash lookup), pins the op for the
+// run, and stages through the kernel's own pinned pools.  The Python
+// executable's keep-alive holds the kernel while the program can be called
+// (jaxdecl/_host/registry.py); a loaded program whose ops this process never
+// made rebuilds them from their recipes, once.
 // The handlers are not command-buffer compatible (they synchronise and run
 // host code), so XLA never captures them into a CUDA graph.
 
@@ -21,9 +26,9 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 
 #include "../call_site.h"
-#include "../ffi_state.h"
 #include "gpu.h"
 #include "staging.h"
 #include "xla/ffi/api/ffi.h"
@@ -31,16 +36,6 @@
 namespace ffi = xla::ffi;
 
 namespace jaxdecl::gpu {
-
-// A compiled call site on CUDA: the platform-blind call site and its pinned
-// buffers, destroyed together with the executable.
-struct CudaCallSite {
-  static XLA_FFI_TypeId id;  // the CUDA plugin's id for this type
-  CallSite site;
-  Staging staging;
-};
-
-XLA_FFI_TypeId CudaCallSite::id = {0};
 
 // The device's ordinal as a handler argument: `.Ctx<DeviceOrdinal>()`.
 struct DeviceOrdinal {};
@@ -77,47 +72,92 @@ ffi::Error AsError(const std::string& error) {
   return ffi::Error(ffi::ErrorCode::kInternal, error);
 }
 
-void DeleteCudaCallSite(void* state) { delete static_cast<CudaCallSite*>(state); }
+// Loaded programs' call sites whose kernels were rebuilt from their recipes
+// (or could not be: the failure is said once), by fingerprint, for the
+// process: as many as the ops of the programs it loaded.  GIL held.
+std::unordered_map<uint64_t, std::unique_ptr<CallSite>>& RebuiltSites() {
+  static auto* sites = new std::unordered_map<uint64_t, std::unique_ptr<CallSite>>();
+  return *sites;  // never destroyed: the interpreter may be gone at exit
+}
 
-ffi::Error CudaInstantiateImpl(StateAccess access, int64_t hi, int64_t lo,
-                               std::string_view name, std::string_view recipe) {
-  auto state = std::make_unique<CudaCallSite>();
-  ffi::Error failed = InitCallSite(state->site, hi, lo, name, recipe);
-  if (failed.failure()) return failed;
-  XLA_FFI_Error* error = SetState(access, &CudaCallSite::id, state.get(), &DeleteCudaCallSite);
-  if (error != nullptr) {
-    DestroyError(access.api, error);
-    return ffi::Error(ffi::ErrorCode::kInternal,
-                      "jaxdecl: XLA refused the call site's state on CUDA (" +
-                          state->site.name + ")");
+// A compiled call's kernel and a strong reference to its op for the run.
+struct FoundKernel {
+  KernelPtr kernel;
+  PyObject* pin = nullptr;
+  std::string error;
+};
+
+FoundKernel FindCompiledKernel(int64_t hi, int64_t lo, std::string_view name,
+                               std::string_view recipe) {
+  FoundKernel found;
+  if (!Py_IsInitialized()) {
+    found.error = "jaxdecl: the Python interpreter is gone";
+    return found;
   }
-  state.release();  // XLA owns it now
-  return ffi::Error::Success();
+  PyGILState_STATE gil = PyGILState_Ensure();
+  Fingerprint fingerprint{static_cast<uint64_t>(hi), static_cast<uint64_t>(lo)};
+  found.kernel = FindLiveByFingerprint(fingerprint);
+  if (found.kernel != nullptr) {
+    found.pin = found.kernel->Instance();
+  } else {
+    uint64_t key = fingerprint.hi ^ (fingerprint.lo * 0x9E3779B97F4A7C15ull);
+    std::unique_ptr<CallSite>& site = RebuiltSites()[key];
+    if (site == nullptr || !(site->fingerprint == fingerprint)) {
+      site = std::make_unique<CallSite>();
+      InitCallSite(*site, hi, lo, name, recipe);  // (its failure, if any, is kept)
+    }
+    if (Resolve(*site)) {
+      found.kernel = site->kernel;
+      found.pin = site->pin;
+      Py_XINCREF(found.pin);
+    } else {
+      found.error = NotAvailable(*site);
+    }
+  }
+  PyGILState_Release(gil);
+  return found;
 }
 
-ffi::Error ExecuteSite(StateAccess access, void* stream, int32_t ordinal,
-                       ffi::RemainingArgs args, ffi::RemainingRets rets, int drop) {
-  auto* state = static_cast<CudaCallSite*>(GetState(access, &CudaCallSite::id));
-  if (state == nullptr) return AsError("jaxdecl: the CUDA call site was not instantiated");
-  CallSite& site = state->site;
-  if (!Resolve(site)) return AsError(NotAvailable(site));
-  return AsError(RunOnDevice(*site.kernel,
-                             DeviceCall{args, rets, false, &site.views, drop, stream, ordinal},
-                             state->staging));
+void DropPin(PyObject* pin) {
+  if (pin == nullptr || !Py_IsInitialized()) return;
+  PyGILState_STATE gil = PyGILState_Ensure();
+  Py_DECREF(pin);
+  PyGILState_Release(gil);
 }
 
-ffi::Error CudaDispatchImpl(StateAccess access, int64_t, int64_t, std::string_view,
-                            std::string_view, void* stream, int32_t ordinal,
+// The kernel's pinned pools, made at its first GPU run (shared with its eager calls).
+std::shared_ptr<Staging> StagingOf(const Kernel& kernel) {
+  std::lock_guard<std::mutex> lock(kernel.gpu_mutex);
+  if (kernel.eager_staging == nullptr) kernel.eager_staging = std::make_shared<Staging>();
+  return kernel.eager_staging;
+}
+
+ffi::Error ExecuteSite(int64_t hi, int64_t lo, std::string_view name, std::string_view recipe,
+                       void* stream, int32_t ordinal, ffi::RemainingArgs args,
+                       ffi::RemainingRets rets, int drop) {
+  FoundKernel found = FindCompiledKernel(hi, lo, name, recipe);
+  if (found.kernel == nullptr) return AsError(found.error);
+  std::shared_ptr<Staging> staging = StagingOf(*found.kernel);
+  std::string error = RunOnDevice(
+      *found.kernel,
+      DeviceCall{args, rets, false, &found.kernel->eager_views, drop, stream, ordinal},
+      *staging);
+  DropPin(found.pin);
+  return AsError(error);
+}
+
+ffi::Error CudaDispatchImpl(int64_t hi, int64_t lo, std::string_view name,
+                            std::string_view recipe, void* stream, int32_t ordinal,
                             ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  return ExecuteSite(access, stream, ordinal, args, rets, /*drop=*/0);
+  return ExecuteSite(hi, lo, name, recipe, stream, ordinal, args, rets, /*drop=*/0);
 }
 
 // See handler.cc: every buffer carries a trailing unit dim for XLA's batch
 // partitioner, which the rule does not see.
-ffi::Error CudaDispatchSplitImpl(StateAccess access, int64_t, int64_t, std::string_view,
-                                 std::string_view, void* stream, int32_t ordinal,
+ffi::Error CudaDispatchSplitImpl(int64_t hi, int64_t lo, std::string_view name,
+                                 std::string_view recipe, void* stream, int32_t ordinal,
                                  ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  return ExecuteSite(access, stream, ordinal, args, rets, /*drop=*/1);
+  return ExecuteSite(hi, lo, name, recipe, stream, ordinal, args, rets, /*drop=*/1);
 }
 
 ffi::Error CudaDispatchEagerImpl(void* stream, int32_t ordinal, ffi::AnyBuffer slot,
@@ -152,44 +192,35 @@ std::string RunEager(const ffi::AnyBuffer& slot, ffi::RemainingArgs args,
   }
   KernelPtr kernel = FindBySlot(key);
   if (kernel == nullptr) return "jaxdecl: no kernel is registered in slot " + std::to_string(key);
-  std::shared_ptr<Staging> staging;
-  {
-    std::lock_guard<std::mutex> lock(kernel->gpu_mutex);
-    if (kernel->eager_staging == nullptr) kernel->eager_staging = std::make_shared<Staging>();
-    staging = kernel->eager_staging;
-  }
+  std::shared_ptr<Staging> staging = StagingOf(*kernel);
   return RunOnDevice(*kernel,
                      DeviceCall{args, rets, true, &kernel->eager_views, 0, stream, ordinal},
                      *staging);
 }
 
-void* CudaCallSiteTypeId() { return &CudaCallSite::id; }
-
-const void* CudaCallSiteTypeInfo() {
-  static const TypeInfoV2 info{sizeof(TypeInfoV2), nullptr, &DeleteCudaCallSite};
-  return &info;
-}
-
 }  // namespace jaxdecl::gpu
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxdeclInstantiateCuda, jaxdecl::gpu::CudaInstantiateImpl,
-    // the call site's context and attributes, as its execute stages bind them
-    jaxdecl::BindCallSite<ffi::ExecutionStage::kInstantiate>());
+// What a compiled call binds on CUDA: the call site's attributes (as on the
+// CPU, without its state), XLA's stream, the device, the rule's buffers.
+static auto BindCudaCallSite() {
+  return ffi::Ffi::Bind()
+      .Attr<int64_t>("fingerprint_hi")       // which kernel: a stable fingerprint
+      .Attr<int64_t>("fingerprint_lo")
+      .Attr<std::string_view>("name")        // Class.method, for messages
+      .Attr<std::string_view>("recipe")      // how to rebuild it anywhere
+      .Ctx<ffi::PlatformStream<void*>>()     // XLA's CUDA stream
+      .Ctx<jaxdecl::gpu::DeviceOrdinal>();   // the device it runs on
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxdeclDispatchCuda, jaxdecl::gpu::CudaDispatchImpl,
-    jaxdecl::BindCallSite<ffi::ExecutionStage::kExecute>()   // the call site
-        .Ctx<ffi::PlatformStream<void*>>()                   // XLA's CUDA stream
-        .Ctx<jaxdecl::gpu::DeviceOrdinal>()                  // the device it runs on
-        .RemainingArgs()                                     // the rule's operands, in order
-        .RemainingRets());                                   // the rule's results, in order
+    BindCudaCallSite()
+        .RemainingArgs()    // the rule's operands, in order
+        .RemainingRets());  // the rule's results, in order
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxdeclDispatchSplitCuda, jaxdecl::gpu::CudaDispatchSplitImpl,
-    jaxdecl::BindCallSite<ffi::ExecutionStage::kExecute>()   // the call site
-        .Ctx<ffi::PlatformStream<void*>>()                   // XLA's CUDA stream
-        .Ctx<jaxdecl::gpu::DeviceOrdinal>()                  // the device it runs on
+    BindCudaCallSite()
         .RemainingArgs()    // the rule's operands, each with a trailing unit dim
         .RemainingRets());  // the rule's results, likewise
 

@@ -22,7 +22,6 @@
 
 namespace py = pybind11;
 
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxdeclInstantiateCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxdeclDispatchCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxdeclDispatchSplitCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxdeclDispatchEagerCuda);
@@ -108,24 +107,15 @@ struct StagedSite {
 
 void DefineModule(py::module_& m) {
   m.def("gpu_registrations", []() {
-    py::dict targets, compiled, split;
-    compiled["instantiate"] = py::capsule(reinterpret_cast<void*>(&JaxdeclInstantiateCuda));
-    compiled["execute"] = py::capsule(reinterpret_cast<void*>(&JaxdeclDispatchCuda));
-    targets["jaxdecl_dispatch"] = compiled;
-    split["instantiate"] = compiled["instantiate"];
-    split["execute"] = py::capsule(reinterpret_cast<void*>(&JaxdeclDispatchSplitCuda));
-    targets["jaxdecl_dispatch_split"] = split;
+    // Execute stages only: no state on CUDA (see handlers.cc).
+    py::dict targets;
+    targets["jaxdecl_dispatch"] = py::capsule(reinterpret_cast<void*>(&JaxdeclDispatchCuda));
+    targets["jaxdecl_dispatch_split"] =
+        py::capsule(reinterpret_cast<void*>(&JaxdeclDispatchSplitCuda));
     targets["jaxdecl_dispatch_eager"] =
         py::capsule(reinterpret_cast<void*>(&JaxdeclDispatchEagerCuda));
     return targets;
   }, "FFI targets to pass to jax.ffi.register_ffi_target on 'CUDA' (same names as on CPU).");
-
-  m.def("gpu_call_site_type", []() {
-    py::dict registration;
-    registration["type_id"] = py::capsule(CudaCallSiteTypeId());
-    registration["type_info"] = py::capsule(const_cast<void*>(CudaCallSiteTypeInfo()));
-    return registration;
-  }, "The FFI state type of compiled call sites on CUDA, for jax.ffi.register_ffi_type.");
 
   m.def("set_cuda_candidates", &SetCandidates, py::arg("paths"),
         "Where to look for libcudart when JAX's CUDA plugin has loaded none.");

@@ -10,9 +10,9 @@
 // lets the next run wait for them before it reuses the buffers, so a call
 // synchronises once, not twice.
 //
-// The pinned buffers belong to a call site (or, on the eager path, to a
-// kernel), one pool per device, allocated at the first run and reused while
-// the shapes fit; a run that finds its pool busy (the same call site running
+// The pinned buffers belong to a kernel (its compiled and eager calls share
+// them), one pool per device, allocated at the first run and reused while
+// the shapes fit; a run that finds its pool busy (the same kernel running
 // concurrently on one device) stages through a temporary pool.  Every CUDA
 // failure becomes a message naming the op and the CUDA error, never an abort.
 
@@ -71,7 +71,7 @@ struct PinnedPool {
   ~PinnedPool();
 };
 
-// The pools of one call site (or one kernel's eager calls), one per device.
+// The pools of one kernel's GPU runs, one per device.
 struct Staging {
   std::mutex mutex;
   std::vector<std::unique_ptr<PinnedPool>> pools;

@@ -80,9 +80,6 @@ def release_pending() -> None:
 def gpu_registrations() -> dict[str, Any]:
     """The CUDA handlers, for jax.ffi.register_ffi_target on 'CUDA' (the CPU targets' names)."""
 
-def gpu_call_site_type() -> dict[str, Any]:
-    """The FFI state type of compiled call sites on CUDA ({'type_id': ..., 'type_info': ...})."""
-
 def set_cuda_candidates(paths: Sequence[str]) -> None:
     """Where to look for libcudart when JAX's CUDA plugin has loaded none."""
 

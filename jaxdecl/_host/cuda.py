@@ -24,8 +24,7 @@ import warnings
 
 import jax
 
-from .. import _compat
-from ._dispatch import gpu_call_site_type, gpu_registrations, set_cuda_candidates
+from ._dispatch import gpu_registrations, set_cuda_candidates
 
 #: JAX's CUDA plugins, newest first: (plugin module, the nvidia package holding the CUDA
 #: runtime it uses, that runtime's soname).
@@ -53,7 +52,7 @@ def candidate_runtimes() -> list:
 
 
 def set_up() -> None:
-    """Registers the CUDA handlers and their call-site state type, under the CPU targets'
+    """Registers the CUDA handlers under the CPU targets'
     names (queued by JAX until a CUDA backend starts), and where the runtime may be.
 
     A CUDA plugin that is already running and refuses them leaves jaxdecl working on
@@ -61,10 +60,6 @@ def set_up() -> None:
     """
     set_cuda_candidates(candidate_runtimes())
     try:
-        # The state type before the handlers that create it (JAX's CUDA plugin registers
-        # queued types before queued handlers, too).
-        _compat.register_ffi_state_type("jaxdecl_call_site", gpu_call_site_type(),
-                                        platform="CUDA")
         for target, handler in gpu_registrations().items():
             jax.ffi.register_ffi_target(target, handler, platform="CUDA")
     except Exception as error:  # noqa: BLE001 - reported, and the CPU keeps working

@@ -22,7 +22,7 @@ Example:
     >>> x = DeviceArray(0x7F0000000000, (2, 3), np.dtype("float32"), read_only=True,
     ...                 stream=0x5EED, ordinal=0)
     >>> x.__cuda_array_interface__["data"], x.__dlpack_device__()
-    ((139637976727552, True), (2, 0))
+    ((139637976727552, False), (2, 0))
     >>> Stream(0x5EED).__cuda_stream__()
     (0, 24301)
 """
@@ -110,8 +110,10 @@ class DeviceArray:
     @property
     def __cuda_array_interface__(self) -> dict:
         # CAI v3: stream 0 is disallowed (1 is the legacy default stream, what 0 means).
+        # Never flagged read-only: PyTorch (2.11) refuses such arrays outright, so an input
+        # is read-only by contract (``read_only``), as in DLPack below.
         return {"shape": self.shape, "typestr": self.dtype.str,
-                "data": (self.ptr, self.read_only), "strides": None, "version": 3,
+                "data": (self.ptr, False), "strides": None, "version": 3,
                 "stream": self.stream or 1}
 
     def __dlpack_device__(self) -> tuple:
@@ -134,8 +136,10 @@ class DeviceArray:
         if consumer != -1 and consumer != self.stream:
             stream_wait(consumer, self.stream)
         versioned = max_version is not None and tuple(max_version)[0] >= 1
+        # Never flagged read-only: PyTorch (2.11) refuses such capsules outright, so an
+        # input is read-only by contract here (and by flag in the CUDA array interface).
         return dlpack_capsule(self, address, list(self.shape), _CODES[self.dtype], KDL_CUDA,
-                              self.device, self.read_only, versioned)
+                              self.device, False, versioned)
 
     def __repr__(self) -> str:
         state = "released" if self._address is None else f"at {self._address:#x}"

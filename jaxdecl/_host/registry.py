@@ -28,7 +28,10 @@ Who owns what (an arrow is a strong reference; ``~>`` a weak one)::
   destroys it with the executable, after the executable's last run. So a
   program that is queued or running always has its kernels, even when every
   Python object that built it is gone (a temporary ``jax.jit`` returns before
-  XLA runs it), and nothing is looked up per call.
+  XLA runs it), and nothing is looked up per call. On CUDA, whose compiler
+  refuses handlers with an instantiate stage, each run looks its kernel up by
+  fingerprint instead and pins the op for the run; a kernel gone by then is
+  rebuilt from the recipe (csrc/gpu/handlers.cc).
 - The eager executables name no kernel (the slot is an operand): the caller
   pins the op and waits for the call.
 - Kernels refer to their op weakly, so an op is freed once no handle cache,
