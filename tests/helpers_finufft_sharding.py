@@ -29,7 +29,7 @@ from helpers_finufft import random_complex, random_points, relative_error, type1
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jaxdecl.contrib.finufft import Opts, _ops, nufft1, nufft2, nufft3  # noqa: E402
+from jaxdecl.contrib.finufft import Opts, nufft1, nufft2, nufft3  # noqa: E402
 
 try:
     import jax_finufft
@@ -166,16 +166,58 @@ def devices() -> dict:
     checks["shard_map grad (replicated modes summed): = direct sum"] = _close(
         gm(modes, xs, ys), jax.grad(lambda v: jnp.sum(jnp.abs(_sum2(v, (x, y))) ** 2))(modes))
 
-    if _ops.PARTLY_LINEAR:  # the gradient in the points, sharded like them
-        gp = jax.jit(jax.grad(loss2, argnums=(1, 2)))
-        text = _hlo(gp, modes, xs, ys)
-        checks["type 2 grad points: no gather"] = _no_gather(text)
-        expected = jax.grad(lambda a, b: jnp.sum(jnp.abs(_sum2(modes, (a, b))) ** 2),
-                            argnums=(0, 1))(x, y)
-        got = gp(modes, xs, ys)
-        checks["type 2 grad points: = direct sum"] = _close(np.stack(got), np.stack(expected))
-        checks["type 2 grad points: sharding kept"] = got[0].sharding.spec == P("d") or \
-            str(got[0].sharding)
+    # Derivatives in the points and the values at once, sharded like the points.
+    def sum_loss(transform):
+        return lambda *a: jnp.sum(jnp.abs(transform(*a)) ** 2)
+
+    def tree_close(got, expected, tol=1e-9):
+        errors = [relative_error(a, b) for a, b in zip(jax.tree_util.tree_leaves(got),
+                                                       jax.tree_util.tree_leaves(expected))]
+        return True if max(errors) <= tol else f"relative errors {errors}"
+
+    gp = jax.jit(jax.grad(loss2, argnums=(0, 1, 2)))
+    text = _hlo(gp, modes, xs, ys)
+    checks["type 2 grad modes+points: no gather"] = _no_gather(text)
+    checks["type 2 grad modes+points: local blocks"] = _local(text, "c128[1,2,16]")
+    got = gp(modes, xs, ys)
+    checks["type 2 grad modes+points: = direct sum"] = tree_close(
+        got, jax.grad(sum_loss(lambda v, a, b: _sum2(v, (a, b))), argnums=(0, 1, 2))(modes, x, y))
+    checks["type 2 grad points: sharding kept"] = got[1].sharding.spec == P("d") or \
+        str(got[1].sharding)
+    hvp = jax.jit(lambda a, b, da: jax.jvp(lambda u: jax.grad(loss2, argnums=1)(modes, u, b),
+                                          (a,), (da,))[1])
+    text = _hlo(hvp, xs, ys, xs)
+    checks["type 2 hessian-vector in the points: no gather"] = _no_gather(text)
+    checks["type 2 hessian-vector in the points: = direct sum"] = _close(
+        hvp(xs, ys, xs), jax.jvp(lambda u: jax.grad(sum_loss(lambda a, b: _sum2(modes, (a, b))))(
+            u, y), (x,), (x,))[1], 1e-8)
+    g1 = jax.jit(jax.grad(loss1, argnums=(0, 1, 2)))
+    text = _hlo(g1, cs, xs, ys)
+    checks["type 1 grad strengths+points: no gather"] = _no_gather(text)
+    checks["type 1 grad strengths+points: = direct sum"] = tree_close(
+        g1(cs, xs, ys), jax.grad(sum_loss(lambda c, a, b: _sum1(c, (a, b), n_modes)),
+                                 argnums=(0, 1, 2))(strengths, x, y))
+    t1 = jax.jit(lambda c, a, b, da: jax.jvp(
+        lambda u: nufft1(n_modes, c, u, b, eps=EPS, opts=ONE), (a,), (da,))[1])
+    text = _hlo(t1, cs, xs, ys, ys)
+    checks["type 1 jvp points: no gather"] = _no_gather(text)
+    checks["type 1 jvp points: = direct sum"] = _close(
+        t1(cs, xs, ys, ys), jax.jvp(lambda u: _sum1(strengths, (u, y), n_modes), (x,), (y,))[1])
+    loss3 = lambda *a: jnp.sum(jnp.abs(nufft3(*a, eps=EPS, opts=ONE)) ** 2)  # noqa: E731
+    ref3 = sum_loss(lambda c, a, b, u, w: type3((a[None], b[None]), (u[None], w[None]),
+                                                c[None, None])[0, 0])
+    g3 = jax.jit(jax.grad(loss3, argnums=(0, 1, 2, 3, 4)))
+    expected = jax.grad(ref3, argnums=(0, 1, 2, 3, 4))(strengths, x, y, s, t)
+    for label, args in (("points", (cs, xs, ys, s, t)),
+                        ("targets", (strengths, x, y, put(s, "d"), put(t, "d")))):
+        text = _hlo(g3, *args)
+        checks[f"type 3 grad, split {label}: no gather"] = _no_gather(text)
+        checks[f"type 3 grad, split {label}: = direct sum"] = tree_close(g3(*args), expected)
+    # jax-finufft's gradients under shard_map were wrong in its points; these are each block's.
+    gs = jax.jit(jax.grad(lambda v, a, b: jnp.sum(jnp.abs(sm(v, a, b)) ** 2), argnums=(0, 1, 2)))
+    checks["shard_map grad modes+points: = direct sum"] = tree_close(
+        gs(modes, xs, ys),
+        jax.grad(sum_loss(lambda v, a, b: _sum2(v, (a, b))), argnums=(0, 1, 2))(modes, x, y))
 
     if jax_finufft is not None:  # the peer runs the whole problem on every device
         peer = jax.jit(lambda v, a, b: jax_finufft.nufft2(v, a, b, eps=EPS))
@@ -228,6 +270,16 @@ def processes(port: str, process_id: str) -> dict:
     expected = jax.grad(lambda v: jnp.sum(jnp.abs(_sum2(v, (x, y))) ** 2))(modes)
     checks["type 2 grad: = direct sum"] = _close(
         np.asarray(g(modes, xs, ys).addressable_shards[0].data), expected)
+    gp = jax.jit(jax.grad(lambda v, a, b: jnp.sum(jnp.abs(nufft2(v, a, b, eps=EPS,
+                                                                    opts=ONE)) ** 2),
+                          argnums=(1, 2)))
+    text = _hlo(gp, modes, xs, ys)
+    checks["type 2 grad points: no gather"] = _no_gather(text)
+    expected = jax.grad(lambda a, b: jnp.sum(jnp.abs(_sum2(modes, (a, b))) ** 2),
+                        argnums=(0, 1))(x, y)
+    got = gp(modes, xs, ys)
+    checks["type 2 grad points: = direct sum, each process its own points"] = _close(
+        np.stack([local_part(g) for g in got]), np.stack([np.asarray(e)[mine] for e in expected]))
     jax.distributed.shutdown()
     return checks
 

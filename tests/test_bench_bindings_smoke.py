@@ -44,11 +44,6 @@ def _allowed(name, why) -> bool:
         return True
     if name.startswith("jaxdecl[C") and "compiler" in why:
         return True
-    # Where jaxdecl has no partly linear ops, contrib.finufft's points are nondiff=.
-    if name == "contrib.finufft" and "nondiff" in why:
-        from jaxdecl.contrib.finufft import _ops
-
-        return not _ops.PARTLY_LINEAR
     # jax-finufft 1.3.1's batching rule reads batching.not_mapped, gone from newer JAX.
     return name == "jax-finufft" and "not_mapped" in why
 

@@ -10,13 +10,14 @@ then the coordinates as tuples of d arrays ``(T, M)``, then the values
 - ``Type2Op()``: modes ``(T, B, N1, ..., Nd)`` -> values ``(T, B, M)``.
 - ``Type3Op()``: strengths ``(T, B, M)`` at the points -> ``(T, B, K)`` at the targets.
 
-Each is linear in its values: ``@forward`` and ``@transpose`` are C kernels
-(type 1's transpose is a type 2 with the same sign, and back; type 3's swaps
-points and targets), and every derivative in the values follows from them.
-Where jaxdecl has partly linear ops, each is also differentiable in its
-coordinates: a ``@jvp`` and a ``@vjp`` (``_derivatives``) that call these ops
-again, so derivatives of every order follow; otherwise the coordinates are
-``nondiff=``. ``@batch`` folds a ``vmap`` into n_trans (shared points) or
+Each is partly linear (``linear=("source",)``): linear in its values, where
+``@forward`` and ``@transpose`` are C kernels (type 1's transpose is a type 2
+with the same sign, and back; type 3's swaps points and targets) and every
+derivative in the values follows from them; differentiable in its
+coordinates through a ``@jvp(zeros=True)`` and a ``@vjp`` taking ``wanted``
+(``_derivatives``) that call these ops again, so derivatives of every order
+follow and a derivative in the values alone transforms nothing for the
+points. ``@batch`` folds a ``vmap`` into n_trans (shared points) or
 into T (points of their own). ``@sharding``: T and B split freely, type 2
 splits over its points, types 1 and 3 sum over theirs (``reduce=``), type 3
 splits over its targets.
@@ -25,7 +26,6 @@ splits over its targets.
 from __future__ import annotations
 
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -36,10 +36,6 @@ import jaxdecl as jd
 from . import _derivatives
 from ._library import CONFIG_SIZE, KERNELS
 from ._options import NestedOpts, Opts, pack, resolved, unpack
-
-#: jaxdecl declares ops linear in some inputs and smooth in others (``linear=("source",)``,
-#: ``@jd.jvp(zeros=True)``, ``@jd.vjp`` taking ``wanted``).
-PARTLY_LINEAR = "zeros" in inspect.signature(jd.jvp).parameters
 
 _REAL = {np.dtype(np.complex64): np.dtype(np.float32),
          np.dtype(np.complex128): np.dtype(np.float64)}
@@ -206,30 +202,22 @@ class _Type3(_Transform):
         return Type3Op(self.eps, self.iflag, unpack(self.opts, 3, False))
 
 
-if PARTLY_LINEAR:
-    class Type1Op(_Type1, jd.Primitive, linear=("source",)):
-        """finufft's type 1 on (T, B, M) strengths: linear in them, smooth in the points."""
+class Type1Op(_Type1, jd.Primitive, linear=("source",)):
+    """finufft's type 1 on (T, B, M) strengths: linear in them, smooth in the points."""
 
-        push = jd.jvp(zeros=True, traceable=True)(_derivatives.push1)
-        pull = jd.vjp(traceable=True)(_derivatives.pull1)
+    push = jd.jvp(zeros=True, traceable=True)(_derivatives.push1)
+    pull = jd.vjp(traceable=True)(_derivatives.pull1)
 
-    class Type2Op(_Type2, jd.Primitive, linear=("source",)):
-        """finufft's type 2 of (T, B, N1, ..., Nd) modes: linear in them, smooth in the points."""
 
-        push = jd.jvp(zeros=True, traceable=True)(_derivatives.push2)
-        pull = jd.vjp(traceable=True)(_derivatives.pull2)
+class Type2Op(_Type2, jd.Primitive, linear=("source",)):
+    """finufft's type 2 of (T, B, N1, ..., Nd) modes: linear in them, smooth in the points."""
 
-    class Type3Op(_Type3, jd.Primitive, linear=("source",)):
-        """finufft's type 3: linear in the strengths, smooth in the points and targets."""
+    push = jd.jvp(zeros=True, traceable=True)(_derivatives.push2)
+    pull = jd.vjp(traceable=True)(_derivatives.pull2)
 
-        push = jd.jvp(zeros=True, traceable=True)(_derivatives.push3)
-        pull = jd.vjp(traceable=True)(_derivatives.pull3)
-else:
-    class Type1Op(_Type1, jd.Primitive, linear=True, nondiff=("points",)):
-        """finufft's type 1 on (T, B, M) strengths (linear; the points are not differentiated)."""
 
-    class Type2Op(_Type2, jd.Primitive, linear=True, nondiff=("points",)):
-        """finufft's type 2 of (T, B, N1, ..., Nd) modes (linear; points not differentiated)."""
+class Type3Op(_Type3, jd.Primitive, linear=("source",)):
+    """finufft's type 3: linear in the strengths, smooth in the points and targets."""
 
-    class Type3Op(_Type3, jd.Primitive, linear=True, nondiff=("points", "targets")):
-        """finufft's type 3 (linear in the strengths; points, targets not differentiated)."""
+    push = jd.jvp(zeros=True, traceable=True)(_derivatives.push3)
+    pull = jd.vjp(traceable=True)(_derivatives.pull3)
