@@ -11,7 +11,9 @@ each call is one C kernel over the C library that package ships, run by XLA
 without Python and without the GIL, with finufft's plans kept between calls.
 They are linear in their values, differentiable in the points, batch a
 ``vmap`` into finufft's own batch of transforms, and run per shard on
-several devices. See ``docs/contrib-finufft.md``.
+several devices. On a GPU they run host-staged (the same kernels on pinned
+host copies of XLA's buffers); there are no cufinufft device rules. See
+``docs/contrib-finufft.md``.
 
 Modules: ``_library`` (finufft's C library and the kernels, ``_kernels.cc``),
 ``_options`` (``Opts`` and the packing of settings for the kernels),
