@@ -48,4 +48,16 @@ dispatch = Pybind11Extension(
     extra_compile_args=["-O2", "-Wno-return-type", "-Wno-sign-compare"],
 )
 
-setup(ext_modules=[dispatch], cmdclass={"build_ext": build_ext})
+# jaxdecl.contrib.finufft's C kernels. They reach finufft's library through the function
+# addresses its Python package hands over at import: no finufft at build time, and no
+# compiler where the contrib package runs.
+finufft_kernels = Pybind11Extension(
+    "jaxdecl.contrib.finufft._kernels",
+    ["jaxdecl/contrib/finufft/_kernels.cc"],
+    include_dirs=["jaxdecl/include"],
+    depends=["jaxdecl/include/jaxdecl.h"],
+    cxx_std=17,
+    extra_compile_args=["-O2"],
+)
+
+setup(ext_modules=[dispatch, finufft_kernels], cmdclass={"build_ext": build_ext})

@@ -116,7 +116,12 @@ BATCH = 8  # elements of every vmap case
 F64, C128 = np.float64, np.complex128
 
 # (case, variant, reference, limit): variant / reference (medians) must be <= limit.
-TARGETS = [("nufft1d_small_forward", "jaxdecl[C]", "jax-finufft", 1.05)]
+TARGETS = [("nufft1d_small_forward", "jaxdecl[C]", "jax-finufft", 1.05)] + [
+    (f"{case}_{mode}", "contrib.finufft", "jax-finufft", 0.95 if case == "finufft_1d1_small"
+     else 1.00)
+    for case in ("finufft_1d1_small", "finufft_1d1_large", "finufft_2d2_large", "finufft_3d3")
+    for mode in ("forward", "grad", "grad-points", "jvp")]
+SHARDED_TARGET = 0.35  # the sharded type 2 on 4 host devices / on one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,6 +390,276 @@ def nufft_case(opts, d, m, n_modes, mode):
         candidates["jaxdecl[empty]"] = lambda: of(Empty(n_modes), jpoints)
     return Built(title, candidates, peers=("jax-finufft", "jax-finufft[n_trans]"),
                  rtol=1e-6, atol=1e-7, details=details)
+
+
+# ---------------------------------------------------------------------------
+# jaxdecl.contrib.finufft against jax-finufft: the same calls, one import apart
+# ---------------------------------------------------------------------------
+
+#: The contrib cases: (type, dim, points, modes or targets), full and quick sizes.
+CONTRIB_SIZES = {
+    "finufft_1d1_small": (dict(nufft_type=1, d=1, m=1_000, n=(64,)),) * 2,
+    "finufft_1d1_large": (dict(nufft_type=1, d=1, m=100_000, n=(1024,)),
+                          dict(nufft_type=1, d=1, m=10_000, n=(256,))),
+    "finufft_2d2_large": (dict(nufft_type=2, d=2, m=100_000, n=(128, 128)),
+                          dict(nufft_type=2, d=2, m=10_000, n=(32, 32))),
+    "finufft_3d3": (dict(nufft_type=3, d=3, m=10_000, n=10_000),
+                    dict(nufft_type=3, d=3, m=1_000, n=1_000)),
+}
+#: forward; grad of Σ|f|² wrt the strengths; wrt the strengths and every coordinate;
+#: jvp wrt the strengths; the forward at two point sets per call (no plan reuse).
+CONTRIB_MODES = ("forward", "grad", "grad-points", "jvp", "new-points")
+CONTRIB_SIGN = {1: 1, 2: -1, 3: -1}  # jax-finufft's default signs
+
+
+def _finufft_direct(nufft_type, d, n):
+    """(A, Aᵀ) of one case as finufft's Python calls (a plan per call, as jax-finufft).
+
+    Each maps (points, targets, values) to values; a leading batch is finufft's n_trans.
+    """
+    sign = CONTRIB_SIGN[nufft_type]
+    if nufft_type == 3:
+        def forward(points, targets, v):
+            return getattr(finufft, f"nufft{d}d3")(*points, v, *targets, eps=EPS, isign=sign,
+                                                   nthreads=1)
+
+        def transpose(points, targets, v):
+            return getattr(finufft, f"nufft{d}d3")(*targets, v, *points, eps=EPS, isign=sign,
+                                                   nthreads=1)
+        return forward, transpose
+    one = lambda points, v: getattr(finufft, f"nufft{d}d1")(  # noqa: E731
+        *points, v, n, eps=EPS, isign=sign, nthreads=1)
+    two = lambda points, v: getattr(finufft, f"nufft{d}d2")(  # noqa: E731
+        *points, v, eps=EPS, isign=sign, nthreads=1)
+    first, second = (one, two) if nufft_type == 1 else (two, one)
+    return (lambda points, targets, v: first(points, v)), \
+        (lambda points, targets, v: second(points, v))
+
+
+def _direct_grad_points(nufft_type, d, n, points, targets, c):
+    """(grad c, grad of each coordinate) of Σ|f|², by finufft's calls (the derivatives'
+    formulas of jaxdecl/contrib/finufft/_derivatives.py, in NumPy)."""
+    forward, transpose = _finufft_direct(nufft_type, d, n)
+    sign = CONTRIB_SIGN[nufft_type]
+    ct = 2 * np.conj(forward(points, targets, c))
+    if nufft_type == 3:
+        back = transpose(points, targets, np.stack([ct] + [1j * sign * s * ct for s in targets]))
+        along = forward(points, targets, np.stack([1j * sign * x * c for x in points]))
+        return (back[0], *[np.real(c * b) for b in back[1:]],
+                *[np.real(ct * a) for a in along])
+    grids = np.meshgrid(*[np.arange(-(k // 2), (k + 1) // 2) for k in n], indexing="ij")
+    if nufft_type == 1:
+        back = transpose(points, targets, np.stack([ct] + [1j * sign * g * ct for g in grids]))
+        return (back[0], *[np.real(c * b) for b in back[1:]])
+    along = forward(points, targets, np.stack([1j * sign * g * c for g in grids]))
+    return (transpose(points, targets, ct), *[np.real(ct * a) for a in along])
+
+
+def contrib_case(opts, nufft_type, d, m, n, mode):
+    """One case of jaxdecl.contrib.finufft against jax-finufft (and finufft's Python)."""
+    if finufft is None:
+        return None
+    try:
+        from jaxdecl.contrib import finufft as contrib
+    except ImportError as error:  # the kernels are not built
+        print(f"jaxdecl.contrib.finufft: {error}")
+        contrib = None
+    rng = np.random.default_rng(3)
+    points = tuple(rng.uniform(-np.pi, np.pi, m) for _ in range(d))
+    moved = tuple(rng.uniform(-np.pi, np.pi, m) for _ in range(d))
+    scale = 0.5 * m ** (1 / d)  # type 3: the targets' extent, as many as the points
+    targets = tuple(rng.uniform(-scale, scale, n) for _ in range(d)) if nufft_type == 3 else ()
+    shape = n if nufft_type == 2 else (m,)
+    c = rng.standard_normal(shape) + 1j * rng.standard_normal(shape)
+    dc = rng.standard_normal(shape) + 1j * rng.standard_normal(shape)
+    coords = points + targets
+    what = f"K = {n:,} targets" if nufft_type == 3 else f"N = {'×'.join(map(str, n))}"
+    title = f"{d}-D type {nufft_type}, M = {m:,}, {what}: {mode}"
+    details = {"dim": d, "type": nufft_type, "points": m, "modes_or_targets": n, "eps": EPS,
+               "mode": mode}
+    forward, _ = _finufft_direct(nufft_type, d, n)
+
+    def jitted(call):
+        """The jitted variant of `call(c, *coords)` (one library) for this mode."""
+        loss = lambda *a: _squares(call(*a))  # noqa: E731
+        j = tuple(jnp.asarray(x) for x in coords)
+        if mode == "forward":
+            return _jitted(call, jnp.asarray(c), *j)
+        if mode == "grad":
+            return _jitted(jax.grad(loss), jnp.asarray(c), *j)
+        if mode == "grad-points":
+            return _jitted(jax.grad(loss, argnums=tuple(range(1 + len(coords)))),
+                           jnp.asarray(c), *j)
+        if mode == "jvp":
+            return _jitted(lambda v, t, *p: jax.jvp(lambda u: call(u, *p), (v,), (t,)),
+                           jnp.asarray(c), jnp.asarray(dc), *j)
+        two = tuple(jnp.asarray(x) for x in moved + targets)
+        return _jitted(lambda v, p, q: (call(v, *p), call(v, *q)), jnp.asarray(c), j, two)
+
+    if mode == "forward":
+        direct = lambda: lambda: forward(points, targets, c)  # noqa: E731
+    elif mode == "grad":
+        _, transpose = _finufft_direct(nufft_type, d, n)
+        direct = lambda: lambda: transpose(points, targets,  # noqa: E731
+                                           2 * np.conj(forward(points, targets, c)))
+    elif mode == "grad-points":
+        direct = lambda: lambda: _direct_grad_points(nufft_type, d, n, points, targets,  # noqa
+                                                     c)
+    elif mode == "jvp":
+        direct = lambda: lambda: (forward(points, targets, c),  # noqa: E731
+                                  forward(points, targets, dc))
+    else:
+        direct = lambda: lambda: (forward(points, targets, c),  # noqa: E731
+                                  forward(moved, targets, c))
+
+    def of(library, options):
+        if nufft_type == 1:
+            return lambda v, *p: library.nufft1(n, v, *p, iflag=1, eps=EPS, opts=options)
+        call = library.nufft2 if nufft_type == 2 else library.nufft3
+        return lambda v, *p: call(v, *p, eps=EPS, opts=options)
+
+    candidates = {"direct": direct, "contrib.finufft": None, "jax-finufft": None}
+    if contrib is not None:
+        candidates["contrib.finufft"] = lambda: jitted(of(contrib, contrib.Opts(nthreads=1)))
+    if jax_finufft is not None:
+        candidates["jax-finufft"] = lambda: jitted(of(jax_finufft, JaxFinufftOpts(nthreads=1)))
+    return Built(title, candidates, peers=("jax-finufft",), rtol=1e-6, atol=1e-7,
+                 details=details)
+
+
+def contrib_table(cases: dict) -> dict:
+    """contrib.finufft / jax-finufft (medians, and mins) per case and mode."""
+    table = {}
+    for key in CONTRIB_SIZES:
+        row = {}
+        for mode in CONTRIB_MODES:
+            found = cases.get(f"{key}_{mode}", {}).get("variants", {})
+            if {"contrib.finufft", "jax-finufft"} <= set(found):
+                ours, peer = found["contrib.finufft"], found["jax-finufft"]
+                row[mode] = {"ratio": ours["median_s"] / peer["median_s"],
+                             "ratio_of_mins": ours["min_s"] / peer["min_s"]}
+        if any(k.startswith(key) for k in cases):  # without jax-finufft: a row of "-"
+            table[key] = {"title": cases[next(k for k in cases if k.startswith(key))]["title"]
+                          .rsplit(":", 1)[0], **row}
+    return table
+
+
+def contrib_markdown(table: dict, sharded: dict | None) -> str:
+    head = ["fwd", "grad (strengths)", "grad (strengths + points)", "jvp (strengths)",
+            "fwd, new points"]
+    lines = ["| contrib.finufft / jax-finufft (nthreads=1) | " + " | ".join(head) + " |",
+             "|---|" + "---:|" * len(head)]
+    for row in table.values():
+        cells = [f"{row[m]['ratio']:.2f}" if m in row else "-" for m in CONTRIB_MODES]
+        lines.append(f"| {row['title']} | " + " | ".join(cells) + " |")
+    if sharded and "ratio" in sharded:
+        lines += ["", f"Sharded type 2 ({sharded['title']}): 4 devices / 1 device = "
+                      f"{sharded['ratio']:.2f} (mins: {sharded['ratio_of_mins']:.2f}; "
+                      f"{os.cpu_count()} CPUs); one device on a quarter of the points / the "
+                      f"whole = {sharded['quarter_ratio']:.2f}; "
+                      f"jax-finufft on the same sharded input / 1 device = "
+                      + (f"{sharded['peer_ratio']:.2f}" if sharded.get("peer_ratio") else "-")]
+    return "\n".join(lines)
+
+
+def draw_contrib_chart(path, table: dict, sharded: dict | None, meta: dict | None = None) -> None:
+    """Grouped bars: contrib.finufft / jax-finufft per case and mode; 1.0 marked.
+
+    `meta` (the report's) names the JAX version and CPU count; by default this process's.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(table.values())
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    width = 0.8 / len(CONTRIB_MODES)
+    for i, mode in enumerate(CONTRIB_MODES):
+        xs = [r + (i - (len(CONTRIB_MODES) - 1) / 2) * width for r in range(len(rows))]
+        values = [row[mode]["ratio"] if mode in row else 0.0 for row in rows]
+        ax.bar(xs, values, width, label=mode)
+    labels = [row["title"].replace(", ", ",\n") for row in rows]
+    if sharded and "ratio" in sharded:
+        ax.bar([len(rows) - 0.15], [sharded["ratio"]], 0.3, color="#444444",
+               label="type 2, 4 devices / 1 device")
+        ax.bar([len(rows) + 0.15], [sharded["quarter_ratio"]], 0.3, color="#999999",
+               label="type 2, 1 device on M/4 points / on M (each device's share)")
+        labels.append("sharded 2-D type 2")
+    ax.axhline(1.0, color="black", linewidth=1)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_ylabel("time / jax-finufft's (median)")
+    meta = meta or {"jax": jax.__version__, "cpus": os.cpu_count()}
+    ax.set_title(f"jaxdecl.contrib.finufft / jax-finufft, nthreads=1 (jax {meta['jax']}, "
+                 f"{meta['cpus']} CPUs); below 1: faster", fontsize=10)
+    ax.set_ylim(0, 1.6)
+    ax.legend(fontsize=8, ncol=3, loc="upper left")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def sharded_type2(quick: bool) -> dict:
+    """A 2-D type 2 on 4 host devices (points split) against one device; in this process.
+
+    Run by ``--sharded-child``, in a process started with 4 forced host devices.
+    """
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxdecl.contrib import finufft as contrib
+
+    m, n = (10_000, (32, 32)) if quick else (100_000, (128, 128))
+    rng = np.random.default_rng(4)
+    x, y = rng.uniform(-np.pi, np.pi, (2, m))
+    f = rng.standard_normal(n) + 1j * rng.standard_normal(n)
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(AxisType.Auto,))
+    xs, ys = (jax.device_put(v, NamedSharding(mesh, P("d"))) for v in (x, y))
+    ours = jax.jit(lambda v, a, b: contrib.nufft2(v, a, b, eps=EPS, opts=contrib.Opts(nthreads=1)))
+    quarter = m // 4  # what each device does: where 4 cores are free, the 4 devices' time
+    variants = {"1 device": lambda: ours(f, x, y), "4 devices": lambda: ours(f, xs, ys),
+                "1 device, M/4 points": lambda: ours(f, x[:quarter], y[:quarter])}
+    text = ours.lower(f, xs, ys).compile().as_text()
+    gathers = [w for w in ("all-gather", "all-to-all") if w in text]
+    if jax_finufft is not None:
+        peer = jax.jit(lambda v, a, b: jax_finufft.nufft2(v, a, b, eps=EPS,
+                                                          opts=JaxFinufftOpts(nthreads=1)))
+        variants["jax-finufft, 4 devices"] = lambda: peer(f, xs, ys)
+    reference = np.asarray(variants["1 device"]())
+    for name, run in variants.items():
+        if name.endswith("M/4 points"):
+            continue
+        if not np.allclose(np.asarray(run()), reference, rtol=1e-9, atol=1e-9 * np.abs(
+                reference).max()):
+            raise RuntimeError(f"sharded type 2: {name} differs from one device")
+    stats = harness.time_case(variants, rounds=3 if quick else 31, target_s=0.05,
+                              max_seconds=1.0 if quick else 20.0, min_rounds=3)
+    one = stats["1 device"]
+    entry = {"title": f"2-D, M = {m:,}, N = {n[0]}×{n[1]}", "gathers_in_hlo": gathers,
+             "variants": {k: s.as_dict() for k, s in stats.items()},
+             "ratio": stats["4 devices"].median / one.median,
+             "ratio_of_mins": stats["4 devices"].min / one.min,
+             "quarter_ratio": stats["1 device, M/4 points"].median / one.median}
+    if "jax-finufft, 4 devices" in stats:
+        entry["peer_ratio"] = stats["jax-finufft, 4 devices"].median / one.median
+    return entry
+
+
+def run_sharded_child(quick: bool) -> dict:
+    """:func:`sharded_type2` in a child process with 4 host devices; its entry or why not."""
+    import json
+    import subprocess
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    done = subprocess.run([sys.executable, __file__, "--sharded-child"] +
+                          (["--quick"] if quick else []), capture_output=True, text=True,
+                          env=env, timeout=1200)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        return {"skipped": f"the 4-device child failed: {done.stderr[-1500:]}"}
+    return json.loads(lines[-1])
 
 
 # ---------------------------------------------------------------------------
@@ -671,10 +946,16 @@ def case_list(opts):
         for mode in MODES:
             cases.append((f"{prefix}_{mode}", group,
                           functools.partial(maker, opts, mode=mode, **kwargs)))
+    for prefix, (full, quick) in CONTRIB_SIZES.items():
+        for mode in CONTRIB_MODES:
+            cases.append((f"{prefix}_{mode}", "contrib_finufft",
+                          functools.partial(contrib_case, opts, mode=mode, **(quick if q else
+                                                                            full))))
     return cases
 
 
-GROUP_LIBRARY = {"nufft": "finufft", "kdtree": "scipy", "fft": "ducc0", "sht": "ducc0"}
+GROUP_LIBRARY = {"nufft": "finufft", "kdtree": "scipy", "fft": "ducc0", "sht": "ducc0",
+                 "contrib_finufft": "finufft"}
 
 
 # ---------------------------------------------------------------------------
@@ -771,6 +1052,8 @@ def markdown(report) -> str:
               "jaxdecl[C+plan] / peer | jaxdecl[pytree] / jaxdecl |",
               "|---|---|---:|---:|---:|---:|---:|"]
     for case in report["cases"].values():
+        if case["group"] == "contrib_finufft":  # their own table: contrib_markdown
+            continue
         v = case["variants"]
         get = functools.partial(lambda found, name, column: found.get(name, {}).get(column), v)
         tree = (v["jaxdecl[pytree]"]["median_s"] / v["jaxdecl"]["median_s"]
@@ -829,10 +1112,20 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per variant")
     parser.add_argument("--out", default=str(HERE / "results_bindings"),
                         help="prefix of the .json and .png outputs")
+    parser.add_argument("--finufft-out", default=str(HERE / "results_finufft"),
+                        help="prefix of the .json and .png of jaxdecl.contrib.finufft's cases")
     parser.add_argument("--no-chart", action="store_true", help="skip the PNG")
     parser.add_argument("--markdown", action="store_true",
                         help="also print the results as Markdown tables")
+    parser.add_argument("--no-sharded", action="store_true",
+                        help="skip the sharded type 2 (a child process with 4 host devices)")
+    parser.add_argument("--sharded-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.sharded_child:  # the 4-device process of the sharded type 2: its entry, as JSON
+        import json
+
+        print(json.dumps(sharded_type2(args.quick)))
+        return None
 
     opts = Options(quick=args.quick, profile=args.profile)
     rounds = args.rounds or (3 if args.quick else 101)
@@ -859,19 +1152,54 @@ def main(argv=None):
         report["cases"][key] = run_case(key, group, built, rounds=rounds, target_s=target_s,
                                         max_seconds=max_seconds, min_rounds=min_rounds,
                                         warmup=warmup)
-    report["targets"] = judge_targets(report["cases"])
+    ours = {k: v for k, v in report["cases"].items() if v["group"] == "contrib_finufft"}
+    report["cases"] = {k: v for k, v in report["cases"].items() if k not in ours}
+    table = contrib_table(ours)
+    sharded = None
+    if ours and not args.no_sharded and (args.only is None or args.only in "finufft_sharded"):
+        sharded = run_sharded_child(args.quick)
+        print("\nsharded 2-D type 2, 4 host devices / 1:",
+              f"{sharded['ratio']:.3f}" if "ratio" in sharded else sharded["skipped"])
+    report["targets"] = judge_targets({**report["cases"], **ours})
+    if sharded and "ratio" in sharded:
+        verdict = "PASS" if sharded["ratio"] <= SHARDED_TARGET else "MISS"
+        report["targets"].append({"case": "finufft_sharded_type2", "variant": "4 devices",
+                                  "reference": "1 device", "limit": SHARDED_TARGET,
+                                  "ratio": sharded["ratio"],
+                                  "ratio_of_mins": sharded["ratio_of_mins"], "verdict": verdict})
+        print(f"  {verdict}  finufft_sharded_type2    4 devices/1 device         = "
+              f"{sharded['ratio']:6.3f} (mins: {sharded['ratio_of_mins']:6.3f})  <= "
+              f"{SHARDED_TARGET} ({os.cpu_count()} CPUs)")
     report["meta"]["wall_s"] = time.perf_counter() - start
-    harness.write_json(args.out + ".json", report)
-    if not args.no_chart and report["cases"]:
-        harness.draw_chart(args.out + ".png",
-                           {e["title"]: e for e in report["cases"].values()},
-                           title=f"real bindings: jaxdecl, the direct call and the peers (jax "
-                                 f"{jax.__version__}, {os.cpu_count()} CPUs; bars median, "
-                                 f"ticks min)")
+    written = []
+    if report["cases"]:  # the bindings' report and chart
+        mine = {t["case"] for t in report["targets"] if t["variant"] in ("contrib.finufft",
+                                                                           "4 devices")}
+        harness.write_json(args.out + ".json",
+                           {**report, "targets": [t for t in report["targets"]
+                                                  if t["case"] not in mine]})
+        written.append(args.out + ".json")
+        if not args.no_chart:
+            harness.draw_chart(args.out + ".png", {e["title"]: e for e in report["cases"].values()},
+                               title=f"real bindings: jaxdecl, the direct call and the peers "
+                                     f"(jax {jax.__version__}, {os.cpu_count()} CPUs; bars "
+                                     f"median, ticks min)")
+            written.append(args.out + ".png")
+    if ours:  # jaxdecl.contrib.finufft against jax-finufft: its own report and chart
+        harness.write_json(args.finufft_out + ".json", {
+            "meta": report["meta"], "table": table, "sharded": sharded, "cases": ours,
+            "targets": [t for t in report["targets"] if t["variant"] in ("contrib.finufft",
+                                                                         "4 devices")]})
+        written.append(args.finufft_out + ".json")
+        if not args.no_chart:
+            draw_contrib_chart(args.finufft_out + ".png", table, sharded, report["meta"])
+            written.append(args.finufft_out + ".png")
     if args.markdown:
-        print("\n" + markdown(report))
-    written = f"{args.out}.json" + ("" if args.no_chart else f" and {args.out}.png")
-    print(f"\nwrote {written} ({report['meta']['wall_s']:.0f} s)")
+        if report["cases"]:
+            print("\n" + markdown(report))
+        if ours:
+            print("\n" + contrib_markdown(table, sharded))
+    print(f"\nwrote {', '.join(written)} ({report['meta']['wall_s']:.0f} s)")
     return report
 
 

@@ -19,14 +19,23 @@ GROUPS = {"nufft1d_small": "nufft", "nufft1d_large": "nufft", "nufft2d_large": "
           "kdtree_small": "kdtree", "kdtree_large": "kdtree", "fft_small": "fft",
           "fft_large": "fft", "sht_small": "sht", "sht_large": "sht"}
 CASES = {f"{prefix}_{mode}" for prefix in GROUPS for mode in ("forward", "grad", "vmap")}
+# jaxdecl.contrib.finufft against jax-finufft: the columns of its table.
+CONTRIB = ("finufft_1d1_small", "finufft_1d1_large", "finufft_2d2_large", "finufft_3d3")
+GROUPS.update(dict.fromkeys(CONTRIB, "contrib_finufft"))
+CASES |= {f"{prefix}_{mode}" for prefix in CONTRIB
+          for mode in ("forward", "grad", "grad-points", "jvp", "new-points")}
 VARIANTS = {
     "nufft": {"direct", "direct[plan]", "jaxdecl", "jaxdecl[pytree]", "jaxdecl[C]",
               "jaxdecl[C+plan]", "jax-finufft"},
     "kdtree": {"direct", "jaxdecl", "pure_callback"},
     "fft": {"direct", "jaxdecl", "jnp.fft"},
     "sht": {"direct", "jaxdecl", "s2fft"},
+    "contrib_finufft": {"direct", "contrib.finufft", "jax-finufft"},
 }
-PEERS = {"nufft": "jax_finufft", "kdtree": None, "fft": None, "sht": "s2fft"}
+PEERS = {"nufft": "jax_finufft", "kdtree": None, "fft": None, "sht": "s2fft",
+         "contrib_finufft": "jax_finufft"}
+OURS = {"nufft": "jaxdecl", "kdtree": "jaxdecl", "fft": "jaxdecl", "sht": "jaxdecl",
+        "contrib_finufft": "contrib.finufft"}
 
 
 def _allowed(name, why) -> bool:
@@ -45,10 +54,13 @@ def test_quick_run_reports_every_case(tmp_path):
     env.pop("XLA_FLAGS", None)  # one host device, as users run it
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_bindings.py"), "--quick",
-         "--markdown", "--out", str(prefix)],
+         "--markdown", "--out", str(prefix), "--finufft-out", str(tmp_path / "results_finufft")],
         check=False, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "results_bindings.json").read_text())
+    contrib = json.loads((tmp_path / "results_finufft.json").read_text())
+    targets = {t["case"]: t for t in report["targets"] + contrib["targets"]}
+    report["cases"].update(contrib["cases"])
     assert set(report["cases"]) == CASES, report.get("skipped_cases")
     assert report["meta"]["jax"] and report["meta"]["cpus"] and report["meta"]["finufft"]
     for key, case in report["cases"].items():
@@ -57,7 +69,7 @@ def test_quick_run_reports_every_case(tmp_path):
         # Every variant agreed with the direct call (checked leaf by leaf before timing).
         assert all(_allowed(name, why) for name, why in skipped.items()), (key, skipped)
         assert VARIANTS[group] <= set(variants) | set(skipped), (key, sorted(variants))
-        assert {"direct", "jaxdecl"} <= set(variants), key
+        assert "direct" in variants and OURS[group] in set(variants) | set(skipped), key
         library = PEERS[group]
         if library is None or importlib.util.find_spec(library):
             assert case["peer"] in variants, (key, case["peer"])
@@ -68,10 +80,15 @@ def test_quick_run_reports_every_case(tmp_path):
         if group == "nufft" and key.endswith("vmap") and importlib.util.find_spec("jax_finufft"):
             # Its native batch stands in where its vmap fails.
             assert "jax-finufft[n_trans]" in variants, key
-    [target] = report["targets"]
-    assert target["case"] == "nufft1d_small_forward"
-    assert target["verdict"] in ("PASS", "MISS", "SKIP")
+    assert "nufft1d_small_forward" in targets and "finufft_sharded_type2" in targets
+    assert {f"{prefix}_{mode}" for prefix in CONTRIB
+            for mode in ("forward", "grad", "grad-points", "jvp")} < set(targets)
+    assert all(t["verdict"] in ("PASS", "MISS", "SKIP") for t in targets.values())
+    sharded = contrib["sharded"]
+    assert sharded["gathers_in_hlo"] == [] and sharded["ratio"] > 0, sharded
+    assert "| contrib.finufft / jax-finufft (nthreads=1) |" in done.stdout
     assert "| 1-D NUFFT type 1, M = 1,000, N = 64: forward | direct |" in done.stdout
     assert "| jaxdecl / direct | jaxdecl / peer |" in done.stdout
     # The chart is written next to the JSON, under the same prefix.
     assert (tmp_path / "results_bindings.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "results_finufft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

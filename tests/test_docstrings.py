@@ -18,6 +18,8 @@ MODULES = sorted(
 def test_docstring_examples(name):
     if name.startswith("jaxdecl.contrib.ducc"):
         pytest.importorskip("ducc0")
+    if name.startswith("jaxdecl.contrib.finufft"):
+        pytest.importorskip("finufft")
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name}"
