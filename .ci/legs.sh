@@ -67,6 +67,13 @@ readme_leg() {
     "$venv/bin/python" tutorials/01_quickstart.py >/dev/null
 }
 
+# slow_leg 3.X: the tests the README's command leaves out as slow (`pytest -m slow`: the
+# benchmarks' smoke runs, the tutorials, the stress tests, jobs of processes that fail, the
+# ecosystem's libraries), in readme_leg 3.X's environment, from the checkout as there.
+slow_leg() {
+    ".venv-readme${1/./}/bin/pytest" -q -m slow
+}
+
 # wheel_for 3.X: the manylinux wheel tools/build-dist left in dist/ for that Python.
 wheel_for() {
     ls dist/jaxdecl-*-cp"${1/./}"-cp"${1/./}"-manylinux*.whl

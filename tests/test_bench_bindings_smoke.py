@@ -9,6 +9,8 @@ import sys
 import pytest
 from conftest import subprocess_env
 
+pytestmark = pytest.mark.slow  # (`pytest -m slow`; CI runs them once, on the newest Python)
+
 # The cases' own libraries; the peers (jax-finufft, s2fft) are optional columns.
 pytest.importorskip("finufft", reason="the NUFFT cases need finufft: pip install '.[bench]'")
 pytest.importorskip("scipy", reason="the KD-tree cases need SciPy: pip install '.[bench]'")

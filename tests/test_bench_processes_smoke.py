@@ -6,7 +6,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
 from conftest import subprocess_env
+
+pytestmark = pytest.mark.slow  # (`pytest -m slow`; CI runs them once, on the newest Python)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

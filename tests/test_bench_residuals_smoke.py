@@ -8,6 +8,8 @@ import sys
 import pytest
 from conftest import subprocess_env
 
+pytestmark = pytest.mark.slow  # (`pytest -m slow`; CI runs them once, on the newest Python)
+
 pytest.importorskip("jaxbind")
 pytest.importorskip("scipy")
 

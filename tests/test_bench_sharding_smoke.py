@@ -10,6 +10,8 @@ from conftest import needs_split, subprocess_env
 
 from jaxdecl import _compat
 
+pytestmark = pytest.mark.slow  # (`pytest -m slow`; CI runs them once, on the newest Python)
+
 pytest.importorskip("jaxbind")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

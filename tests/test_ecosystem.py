@@ -17,6 +17,8 @@ import pytest
 
 import jaxdecl as jd
 
+pytestmark = pytest.mark.slow  # (`pytest -m slow`; CI runs them once, on the newest Python)
+
 
 class Tanh(jd.Primitive):
     """tanh(x), elementwise."""

@@ -15,6 +15,8 @@ import pytest
 from conftest import _splits_per_shard, needs_split, subprocess_env
 from helpers_processes import run_job
 
+pytestmark = pytest.mark.slow  # (`pytest -m slow`; CI runs them once, on the newest Python)
+
 SCENARIOS = os.path.join(os.path.dirname(__file__), "helpers_processes_scenarios.py")
 PROCESSES, DEVICES = 4, 2
 GRACE = 5  # JAXDECL_FAILURE_GRACE_SECONDS in the failure tests

@@ -22,6 +22,8 @@ import sys
 import pytest
 from conftest import subprocess_env
 
+pytestmark = pytest.mark.slow  # (`pytest -m slow`; CI runs them once, on the newest Python)
+
 HELPER = os.path.join(os.path.dirname(__file__), "helpers_stress.py")
 REPEATS = 2
 

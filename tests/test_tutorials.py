@@ -19,6 +19,8 @@ import sys
 import pytest
 from conftest import needs_split, subprocess_env
 
+pytestmark = pytest.mark.slow  # (`pytest -m slow`; CI runs them once, on the newest Python)
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FOLDER = ROOT / "tutorials"
 # The numbered scripts; modules beside them (saving_ops.py, requires.py) are imported by them.
