@@ -14,12 +14,6 @@
 namespace jaxdecl {
 namespace {
 
-struct FingerprintHash {
-  size_t operator()(const Fingerprint& f) const {
-    return static_cast<size_t>(f.hi ^ (f.lo * 0x9E3779B97F4A7C15ull));
-  }
-};
-
 // Slots and the fingerprint index.  Readers (XLA's threads, possibly without
 // the GIL) copy a shared pointer under the shared lock, so a registration
 // released while a call runs is destroyed when that call ends.  Allocated

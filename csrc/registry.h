@@ -38,6 +38,13 @@ struct Fingerprint {
   }
 };
 
+// Hashes a fingerprint for unordered maps (its bits are already uniform).
+struct FingerprintHash {
+  size_t operator()(const Fingerprint& f) const {
+    return static_cast<size_t>(f.hi ^ (f.lo * 0x9E3779B97F4A7C15ull));
+  }
+};
+
 // The views a kernel handed to its rule last time (at one compiled call site,
 // or on the eager path), kept for the next run: XLA's buffers move between runs but keep their shapes and types,
 // so pointing the same arrays at the new buffers replaces allocating two

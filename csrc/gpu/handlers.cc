@@ -75,8 +75,10 @@ ffi::Error AsError(const std::string& error) {
 // Loaded programs' call sites whose kernels were rebuilt from their recipes
 // (or could not be: the failure is said once), by fingerprint, for the
 // process: as many as the ops of the programs it loaded.  GIL held.
-std::unordered_map<uint64_t, std::unique_ptr<CallSite>>& RebuiltSites() {
-  static auto* sites = new std::unordered_map<uint64_t, std::unique_ptr<CallSite>>();
+using RebuiltSiteMap =
+    std::unordered_map<Fingerprint, std::unique_ptr<CallSite>, FingerprintHash>;
+RebuiltSiteMap& RebuiltSites() {
+  static auto* sites = new RebuiltSiteMap();
   return *sites;  // never destroyed: the interpreter may be gone at exit
 }
 
@@ -100,9 +102,8 @@ FoundKernel FindCompiledKernel(int64_t hi, int64_t lo, std::string_view name,
   if (found.kernel != nullptr) {
     found.pin = found.kernel->Instance();
   } else {
-    uint64_t key = fingerprint.hi ^ (fingerprint.lo * 0x9E3779B97F4A7C15ull);
-    std::unique_ptr<CallSite>& site = RebuiltSites()[key];
-    if (site == nullptr || !(site->fingerprint == fingerprint)) {
+    std::unique_ptr<CallSite>& site = RebuiltSites()[fingerprint];
+    if (site == nullptr) {
       site = std::make_unique<CallSite>();
       InitCallSite(*site, hi, lo, name, recipe);  // (its failure, if any, is kept)
     }
