@@ -295,6 +295,34 @@ def test_nothing_leaks(axpy):
         assert _dispatch.fake_cuda_live() == before
 
 
+def test_the_compiled_handler_finds_its_kernel_by_fingerprint(axpy):
+    # (XLA's CUDA compiler crashes on handlers with an instantiate stage: no call-site state)
+    kernel, x, y = axpy
+    hi, lo = kernel.fingerprint  # (the compiled call's int64 attributes)
+    site = _dispatch.StagedSite()
+    outs = [np.full(6, np.nan), np.full(6, np.nan)]
+    with fake_cuda():
+        for out in outs:
+            assert site.run_compiled(hi, lo, "Axpy.apply", "", [describe(x), describe(y)],
+                                     [describe(out)], stream=STREAM) is None
+        log = _dispatch.fake_cuda_log()
+    for out in outs:
+        np.testing.assert_allclose(out, 2 * x + y)
+    # the kernel's own pool: allocated by the first run, reused by the second
+    assert calls(log).count("HostAlloc") == 3 and calls(log).count("StreamSynchronize") == 2
+
+
+def test_the_compiled_handler_names_a_kernel_this_process_lacks(axpy):
+    _, x, y = axpy
+    out = np.zeros(6)
+    with fake_cuda():
+        message = _dispatch.StagedSite().run_compiled(
+            123, 456, "Gone.apply (@forward)", "", [describe(x), describe(y)],
+            [describe(out)], stream=STREAM)
+    assert message.startswith("jaxdecl: Gone.apply (@forward) (kernel 00000000000000"
+                              "7b00000000000001c8) is not available in this process")
+
+
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
 def test_the_eager_handler_reads_the_slot_from_the_device(axpy, dtype):
     kernel, x, y = axpy

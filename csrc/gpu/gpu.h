@@ -4,7 +4,9 @@
 #ifndef JAXDECL_CSRC_GPU_GPU_H_
 #define JAXDECL_CSRC_GPU_GPU_H_
 
+#include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -20,6 +22,12 @@ namespace ffi = xla::ffi;
 // then runs the kernel on the call.  "" or the message the call fails with.
 std::string RunEager(const ffi::AnyBuffer& slot, ffi::RemainingArgs args,
                      ffi::RemainingRets rets, void* stream, int ordinal);
+
+// The compiled CUDA handlers' body: finds the kernel by its fingerprint (or
+// rebuilds it from `recipe`), then runs it on the call.  "" or the message.
+std::string RunCompiled(int64_t hi, int64_t lo, std::string_view name,
+                        std::string_view recipe, ffi::RemainingArgs args,
+                        ffi::RemainingRets rets, void* stream, int ordinal, int drop);
 
 // Adds the GPU room's functions to the extension module.
 void DefineModule(pybind11::module_& m);

@@ -136,15 +136,7 @@ std::shared_ptr<Staging> StagingOf(const Kernel& kernel) {
 ffi::Error ExecuteSite(int64_t hi, int64_t lo, std::string_view name, std::string_view recipe,
                        void* stream, int32_t ordinal, ffi::RemainingArgs args,
                        ffi::RemainingRets rets, int drop) {
-  FoundKernel found = FindCompiledKernel(hi, lo, name, recipe);
-  if (found.kernel == nullptr) return AsError(found.error);
-  std::shared_ptr<Staging> staging = StagingOf(*found.kernel);
-  std::string error = RunOnDevice(
-      *found.kernel,
-      DeviceCall{args, rets, false, &found.kernel->eager_views, drop, stream, ordinal},
-      *staging);
-  DropPin(found.pin);
-  return AsError(error);
+  return AsError(RunCompiled(hi, lo, name, recipe, args, rets, stream, ordinal, drop));
 }
 
 ffi::Error CudaDispatchImpl(int64_t hi, int64_t lo, std::string_view name,
@@ -167,6 +159,20 @@ ffi::Error CudaDispatchEagerImpl(void* stream, int32_t ordinal, ffi::AnyBuffer s
 }
 
 }  // namespace
+
+std::string RunCompiled(int64_t hi, int64_t lo, std::string_view name,
+                        std::string_view recipe, ffi::RemainingArgs args,
+                        ffi::RemainingRets rets, void* stream, int ordinal, int drop) {
+  FoundKernel found = FindCompiledKernel(hi, lo, name, recipe);
+  if (found.kernel == nullptr) return found.error;
+  std::shared_ptr<Staging> staging = StagingOf(*found.kernel);
+  std::string error = RunOnDevice(
+      *found.kernel,
+      DeviceCall{args, rets, false, &found.kernel->eager_views, drop, stream, ordinal},
+      *staging);
+  DropPin(found.pin);
+  return error;
+}
 
 std::string RunEager(const ffi::AnyBuffer& slot, ffi::RemainingArgs args,
                      ffi::RemainingRets rets, void* stream, int ordinal) {

@@ -206,6 +206,23 @@ void DefineModule(py::module_& m) {
       }, py::arg("slot"), py::arg("inputs"), py::arg("outputs"), py::arg("ordinal") = 0,
          py::arg("stream") = 0,
          "Runs the eager CUDA handler on `slot` (a device scalar) and the buffers.")
+      .def("run_compiled", [](StagedSite&, int64_t hi, int64_t lo, const std::string& name,
+                              const std::string& recipe, const Descriptions& inputs,
+                              const Descriptions& outputs, int ordinal,
+                              uintptr_t stream) -> py::object {
+        Described described(inputs, outputs);
+        std::string error;
+        {
+          py::gil_scoped_release release;  // as XLA calls the handler
+          error = RunCompiled(hi, lo, name, recipe, described.frame.Args(),
+                              described.frame.Rets(), AsPointer(stream), ordinal, 0);
+        }
+        return error.empty() ? py::object(py::none()) : py::object(py::str(error));
+      }, py::arg("fingerprint_hi"), py::arg("fingerprint_lo"), py::arg("name"),
+         py::arg("recipe"), py::arg("inputs"), py::arg("outputs"), py::arg("ordinal") = 0,
+         py::arg("stream") = 0,
+         "Runs the compiled CUDA handler: the kernel found by its fingerprint (or rebuilt "
+         "from `recipe`), staged through the kernel's pools.")
       .def("pools", &StagedSite::Pools,
            "(ordinal, pinned addresses, capacities) of each pool kept.");
 }

@@ -126,5 +126,11 @@ class StagedSite:
                   ordinal: int = 0, stream: int = 0) -> str | None:
         """Runs the eager CUDA handler: `slot` is the device scalar naming the kernel."""
 
+    def run_compiled(self, fingerprint_hi: int, fingerprint_lo: int, name: str, recipe: str,
+                     inputs: Sequence[tuple], outputs: Sequence[tuple], ordinal: int = 0,
+                     stream: int = 0) -> str | None:
+        """Runs the compiled CUDA handler: the kernel found by its fingerprint (or rebuilt
+        from `recipe`), staged through the kernel's pools; None or the error message."""
+
     def pools(self) -> list[tuple[int, list[int], list[int]]]:
         """(ordinal, pinned addresses, capacities) of each pool kept."""
