@@ -38,7 +38,8 @@ def inputs():
         return (x, m), None
     mesh = jax.make_mesh((DEVICES,), ("d",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=jax.devices("cpu"))  # (host devices, even beside a GPU)
-    shardings = (jax.NamedSharding(mesh, jax.P("d")), jax.NamedSharding(mesh, jax.P("d", None)))
+    P = jax.sharding.PartitionSpec  # (jax.P from JAX 0.7)
+    shardings = (jax.NamedSharding(mesh, P("d")), jax.NamedSharding(mesh, P("d", None)))
     return tuple(jax.device_put(v, s) for v, s in zip((x, m), shardings)), shardings
 
 

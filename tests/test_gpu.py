@@ -23,6 +23,7 @@ from ops import compile_c
 from ops_gpu import Batched, CupyScale, Vectorized, cupy_stream
 
 import jaxdecl as jd
+from jaxdecl import _compat
 from jaxdecl._host import _dispatch
 
 pytestmark = [gpu, needs_gpu]
@@ -323,9 +324,9 @@ def test_each_shard_runs_on_its_own_gpu(cupy):
 
     mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=gpus[:2])
-    x = jax.device_put(jnp.arange(8.0), jax.NamedSharding(mesh, jax.P("d")))
+    x = jax.device_put(jnp.arange(8.0), jax.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
     close(jax.jit(Where())(x), np.arange(8.0) + 1)
     assert sorted(seen) == [(0, 0), (1, 1)]
-    y = jax.jit(jax.shard_map(ops.Scale(2.0), mesh=mesh, in_specs=jax.P("d"),
-                              out_specs=jax.P("d")))(x)  # staged, per device
+    spec = jax.sharding.PartitionSpec("d")
+    y = jax.jit(_compat.shard_map(ops.Scale(2.0), mesh, spec, spec))(x)  # staged, per device
     close(y, 2 * np.arange(8.0))

@@ -23,6 +23,8 @@ from ops_gpu import Batched, Vectorized
 import jaxdecl as jd
 from jaxdecl import _compat
 
+P = jax.sharding.PartitionSpec  # (jax.P from JAX 0.7)
+
 CUDA_PLUGIN = bool(importlib.util.find_spec("jax_cuda13_plugin") or
                    importlib.util.find_spec("jax_cuda12_plugin"))
 HELPER = str(pathlib.Path(__file__).with_name("helpers_gpu_export.py"))
@@ -135,7 +137,7 @@ def _mesh(kind):
 
 
 def _sharded(mesh, value, *spec):
-    return jax.device_put(value, jax.NamedSharding(mesh, jax.P(*spec)))
+    return jax.device_put(value, jax.NamedSharding(mesh, P(*spec)))
 
 
 @needs_split
@@ -171,7 +173,7 @@ def test_a_per_shard_map_lowers_for_cuda():
 def test_inside_shard_map_lowers_for_cuda():
     mesh = _mesh(jax.sharding.AxisType.Auto)
     x = _sharded(mesh, jnp.linspace(0, 1, 8), "d")
-    f = jax.shard_map(ops.Scale(3.0), mesh=mesh, in_specs=jax.P("d"), out_specs=jax.P("d"))
+    f = _compat.shard_map(ops.Scale(3.0), mesh, P("d"), P("d"))
     assert_cuda_calls(f, x, names=["Scale.apply (@forward)"])
 
 
@@ -183,7 +185,8 @@ def test_a_cpu_cuda_export_holds_each_call_once():
                                  disabled_checks=jd.disabled_checks())(X.repeat(2), M.repeat(4, 0))
     text = exported.mlir_module()
     assert exported.platforms == ("cpu", "cuda")
-    assert "stablehlo.case" not in text  # no switch on the platform
+    # each call once: no switch on the platform around them (JAX 0.6 still switches on it
+    # for a constant of its own, which holds no call)
     names = [re.search(r'name = "([^"]*)"', a).group(1) for _, a in custom_calls(text)]
     assert len(names) == len(set(names)) == 6
 
