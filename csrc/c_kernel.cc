@@ -34,22 +34,6 @@ static_assert(JAXDECL_COMPLEX128 == static_cast<int>(ffi::DataType::C128));
 // once, and only its first byte is cleared per call.
 constexpr int64_t kMessageSize = 64 * 1024;
 
-// The buffers as jaxdecl.h describes them; the dimensions point into XLA's
-// own shape, less the last `drop` (see ViewDims).
-template <typename Buffers>
-bool Describe(const Buffers& buffers, int drop, std::vector<jaxdecl_buffer>* out) {
-  out->resize(buffers.size());
-  for (size_t i = 0; i < buffers.size(); ++i) {
-    auto buffer = BufferAt(buffers, i);
-    if (!buffer.has_value()) return false;
-    auto dims = ViewDims(*buffer, drop);
-    (*out)[i] = jaxdecl_buffer{buffer->untyped_data(), dims.begin(),
-                               static_cast<int64_t>(dims.size()),
-                               static_cast<int32_t>(buffer->element_type())};
-  }
-  return true;
-}
-
 std::string RunCFunction(jaxdecl_kernel function,
                          const std::vector<jaxdecl_buffer>& inputs,
                          const std::vector<jaxdecl_buffer>& outputs) {
@@ -163,8 +147,8 @@ std::string RunRowsOf(const Kernel& kernel, std::vector<jaxdecl_buffer> inputs,
 
 std::string RunCKernel(const Kernel& kernel, const Call& call) {
   std::vector<jaxdecl_buffer> inputs, outputs;
-  if (!Describe(call.args, call.drop, &inputs) ||
-      !Describe(call.rets, call.drop, &outputs)) {
+  if (!DescribeForC(call.args, call.drop, &inputs) ||
+      !DescribeForC(call.rets, call.drop, &outputs)) {
     return "jaxdecl: an operand is not a buffer";
   }
   std::string error;

@@ -10,8 +10,10 @@
 #ifndef JAXDECL_CSRC_KERNELS_H_
 #define JAXDECL_CSRC_KERNELS_H_
 
+#include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "registry.h"
 #include "views.h"
@@ -49,6 +51,22 @@ std::string RunInPython(const Kernel& kernel, bool eager,
 
 // Calls a C kernel on the call's buffers, without the GIL.
 std::string RunCKernel(const Kernel& kernel, const Call& call);
+
+// The buffers as jaxdecl.h describes them to a C kernel (host or GPU); the
+// dimensions point into XLA's own shape, less the last `drop` (see ViewDims).
+template <typename Buffers>
+bool DescribeForC(const Buffers& buffers, int drop, std::vector<jaxdecl_buffer>* out) {
+  out->resize(buffers.size());
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    auto buffer = BufferAt(buffers, i);
+    if (!buffer.has_value()) return false;
+    auto dims = ViewDims(*buffer, drop);
+    (*out)[i] = jaxdecl_buffer{buffer->untyped_data(), dims.begin(),
+                               static_cast<int64_t>(dims.size()),
+                               static_cast<int32_t>(buffer->element_type())};
+  }
+  return true;
+}
 
 }  // namespace jaxdecl
 

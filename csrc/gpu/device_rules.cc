@@ -78,20 +78,6 @@ std::string CallDeviceKernel(const Kernel& kernel, const DeviceCall& call) {
   return error;
 }
 
-template <typename Buffers>
-bool DescribeDevice(const Buffers& buffers, int drop, std::vector<jaxdecl_buffer>* out) {
-  out->resize(buffers.size());
-  for (size_t i = 0; i < buffers.size(); ++i) {
-    auto buffer = BufferAt(buffers, i);
-    if (!buffer.has_value()) return false;
-    auto dims = ViewDims(*buffer, drop);
-    (*out)[i] = jaxdecl_buffer{buffer->untyped_data(), dims.begin(),
-                               static_cast<int64_t>(dims.size()),
-                               static_cast<int32_t>(buffer->element_type())};
-  }
-  return true;
-}
-
 std::string CallGpuFunction(const Kernel& kernel, const std::vector<jaxdecl_buffer>& inputs,
                             const std::vector<jaxdecl_buffer>& outputs, void* stream) {
   thread_local std::vector<char> message(kMessageSize);
@@ -118,8 +104,8 @@ std::string CallGpuFunction(const Kernel& kernel, const std::vector<jaxdecl_buff
 // moved along the rows; no Python, no GIL).
 std::string RunGpuFunction(const Kernel& kernel, const DeviceCall& call) {
   std::vector<jaxdecl_buffer> inputs, outputs;
-  if (!DescribeDevice(call.args, call.drop, &inputs) ||
-      !DescribeDevice(call.rets, call.drop, &outputs)) {
+  if (!DescribeForC(call.args, call.drop, &inputs) ||
+      !DescribeForC(call.rets, call.drop, &outputs)) {
     return "jaxdecl: " + kernel.name + ": an operand is not a buffer";
   }
   if (kernel.row_dims.empty()) return CallGpuFunction(kernel, inputs, outputs, call.stream);
