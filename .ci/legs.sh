@@ -30,8 +30,9 @@ _print_legs() {
 }
 trap _print_legs EXIT
 
-# python_for 3.X: an interpreter of that version that runs (on PATH, else pyenv's: a
-# pyenv shim on PATH answers only for the versions pyenv has selected).
+# python_for 3.X: an interpreter of that version that runs: on PATH, else pyenv's (a pyenv
+# shim on PATH answers only for the versions pyenv has selected), else one that
+# tools/get-python made, or makes now (from Debian's archive, about 20 s, kept for later).
 python_for() {
     local found
     for found in "$(command -v "python$1" 2>/dev/null)" \
@@ -42,7 +43,9 @@ python_for() {
             return 0
         fi
     done
-    echo "no Python $1 found" >&2
+    found=$(bash "$(dirname "${BASH_SOURCE[0]}")/../tools/get-python" "$1" | tail -n 1) &&
+        [ -n "$found" ] && echo "$found" && return 0
+    echo "no Python $1 found, and tools/get-python could not make one" >&2
     return 1
 }
 
@@ -69,9 +72,11 @@ readme_leg() {
 
 # slow_leg 3.X: the tests the README's command leaves out as slow (`pytest -m slow`: the
 # benchmarks' smoke runs, the tutorials, the stress tests, jobs of processes that fail, the
-# ecosystem's libraries), in readme_leg 3.X's environment, from the checkout as there.
+# ecosystem's libraries), in wheel_leg 3.X's environment with the test extra added.
 slow_leg() {
-    ".venv-readme${1/./}/bin/pytest" -q -m slow
+    local venv=".venv-cp${1/./}"
+    "$venv/bin/pip" install -q "$(wheel_for "$1")[test]"
+    in_tests "$venv" -q -m slow
 }
 
 # wheel_for 3.X: the manylinux wheel tools/build-dist left in dist/ for that Python.

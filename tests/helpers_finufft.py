@@ -6,10 +6,9 @@ independent of the package: modes from NumPy's ``fftfreq``. ``reference`` takes
 the public functions' shapes; ``call`` runs the public function it stands for.
 """
 
-import sys
-
 import jax.numpy as jnp
 import numpy as np
+from helpers_extras import why_missing
 
 
 def modes(n: int, modeord: bool = False) -> np.ndarray:
@@ -110,7 +109,5 @@ def peer():
         import jax_finufft
         from jax_finufft import options  # noqa: F401
     except ImportError as error:
-        if sys.version_info < (3, 11):
-            return None, "jax-finufft 1.3.1 needs Python >= 3.11 (it has no build for this one)"
-        return None, f"jax-finufft is not installed here ({error}; pip install jax-finufft)"
+        return None, why_missing("jax_finufft", error)
     return jax_finufft, None

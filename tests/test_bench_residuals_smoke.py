@@ -7,10 +7,11 @@ import sys
 
 import pytest
 from conftest import subprocess_env
+from helpers_extras import need
 
 pytestmark = pytest.mark.slow  # (`pytest -m slow`; CI runs them once, on the newest Python)
 
-pytest.importorskip("jaxbind")
+need("jaxbind")
 pytest.importorskip("scipy")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -7,12 +7,13 @@ import sys
 
 import pytest
 from conftest import needs_split, subprocess_env
+from helpers_extras import need
 
 from jaxdecl import _compat
 
 pytestmark = pytest.mark.slow  # (`pytest -m slow`; CI runs them once, on the newest Python)
 
-pytest.importorskip("jaxbind")
+need("jaxbind")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -7,8 +7,9 @@ import sys
 
 import pytest
 from conftest import subprocess_env
+from helpers_extras import need
 
-pytest.importorskip("jaxbind")
+need("jaxbind")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CASES = {"1_jit_10_1in", "2_jit_10_4in", "2_jit_10_16in", "3_eager_10_1in", "4_jit_large",

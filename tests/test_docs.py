@@ -14,6 +14,7 @@ import sys
 
 import pytest
 from conftest import subprocess_env
+from helpers_extras import need
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -47,7 +48,7 @@ def _imported(code) -> set:
 @pytest.mark.parametrize("code", list(_blocks()))
 def test_docs_example_runs(code, tmp_path):
     for library in sorted(_imported(code) & OPTIONAL):
-        pytest.importorskip(library)
+        need(library)
     # A fresh interpreter: examples set jax options and define classes freely. It runs
     # outside the checkout (as a reader's script would), so that `import jaxdecl` finds the
     # installed package, not the unbuilt source tree.

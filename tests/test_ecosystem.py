@@ -5,15 +5,15 @@ Each test runs one program twice: with two jaxdecl ops whose rules are NumPy
 ``jnp.matmul`` in their place, and compares the values to rounding. The
 libraries are optional (``pip install ".[ecosystem]"``, part of the ``test``
 extra); a test whose library is missing is skipped, naming it, and so is one whose library
-this Python cannot install (flax on Python 3.10).
+this Python cannot install (flax on Python 3.10 and 3.15), with pyproject.toml's marker
+as the reason.
 """
-
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers_extras import need
 
 import jaxdecl as jd
 
@@ -202,10 +202,8 @@ def test_numpyro_nuts_over_a_likelihood_that_calls_ops():
     assert samples.shape == (20, 3)
 
 
-@pytest.mark.skipif(sys.version_info < (3, 11), reason="flax >= 0.11 needs Python >= 3.11: the "
-                    "test extra leaves it out on Python 3.10")
 def test_flax_nnx_module_passes_its_params_to_ops():
-    pytest.importorskip("flax", minversion="0.11")
+    need("flax", minversion="0.11")
     optax = pytest.importorskip("optax")
     from flax import nnx
 

@@ -4,6 +4,7 @@ import pathlib
 import re
 
 import pytest
+from helpers_extras import extra_requirements
 
 README = pathlib.Path(__file__).parent.parent / "README.md"
 BLOCKS = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
@@ -34,7 +35,7 @@ def _legs_variable(name: str) -> str:
 
 
 def _supported_pythons() -> list:
-    """The README's range, ``CPython **3.10 to 3.13**``, as ["3.10", ..., "3.13"]."""
+    """The README's range, ``CPython **3.10 to 3.15**``, as ["3.10", ..., "3.15"]."""
     low, high = re.search(r"CPython \*\*3\.(\d+) to 3\.(\d+)\*\*", README.read_text()).groups()
     return [f"3.{minor}" for minor in range(int(low), int(high) + 1)]
 
@@ -51,36 +52,13 @@ def test_the_readme_set_up_commands_are_the_ones_ci_runs():
     assert ">=" + pythons[0] in (README.parent / "pyproject.toml").read_text()
 
 
-def _extras() -> dict:
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10: pytest's own dependency
-        import tomli as tomllib
-    project = tomllib.loads((README.parent / "pyproject.toml").read_text())["project"]
-    return project["optional-dependencies"]
-
-
-def _test_requirements() -> list:
-    """The test extra's requirements, the extras it names expanded."""
-    from packaging.requirements import Requirement
-
-    extras, found, todo = _extras(), [], ["test"]
-    while todo:
-        for text in extras[todo.pop()]:
-            requirement = Requirement(text)
-            if requirement.name == "jaxdecl":
-                todo.extend(requirement.extras)
-            else:
-                found.append(requirement)
-    return found
-
-
 def test_what_a_supported_python_cannot_install_is_left_out_there_and_named():
     # Without a marker pip searches every release of everything else for one that fits
     # (the test command then never ends); with one, the README says what is missing where.
     readme = " ".join(README.read_text().split())
     pythons = _supported_pythons()
-    marked = [r for r in _test_requirements() if r.marker and "python_version" in str(r.marker)]
+    marked = [r for r in extra_requirements("test")
+              if r.marker and "python_version" in str(r.marker)]
     assert marked, "flax >= 0.11 needs Python >= 3.11"
     for requirement in marked:
         without = [p for p in pythons

@@ -18,6 +18,7 @@ import pytest
 from conftest import needs_split, run_helper, run_two_processes
 
 import jaxdecl as jd
+from jaxdecl import _compat
 
 HELPER = os.path.join(os.path.dirname(__file__), "helpers_sharding.py")
 
@@ -143,7 +144,9 @@ def test_partly_linear_op_runs_per_shard_on_two_devices(axis_type):
                         JAXDECL_TEST_DEVICES="2")
     failed = {name: value for name, value in checks.items() if value is not True}
     assert not failed, failed
-    assert len(checks) == 20
+    # (on JAX < 0.9 each of the 5 cases over Explicit axes is refused, naming the version)
+    refused = axis_type == "Explicit" and not _compat.EXPLICIT_REDUCTIONS
+    assert len(checks) == (5 if refused else 20), sorted(checks)
 
 
 def test_an_undeclared_op_types_its_result_like_its_operand_in_a_scan():

@@ -23,14 +23,18 @@ HERE = f"cp{sys.version_info[0]}{sys.version_info[1]}"
 
 
 def _another_python():
-    """``(path, tag)`` of an installed CPython 3.10-3.13 other than this one, or None."""
+    """``(path, tag)`` of an installed CPython 3.10-3.15 other than this one, or None:
+    on PATH, under pyenv or made by tools/get-python."""
     pyenv = pathlib.Path(os.environ.get("PYENV_ROOT", pathlib.Path.home() / ".pyenv"))
-    for minor in (10, 11, 12, 13):
+    made = pathlib.Path(os.environ.get("JAXDECL_PYTHONS",
+                                       pathlib.Path.home() / ".cache" / "jaxdecl-pythons"))
+    for minor in range(10, 16):
         if minor == sys.version_info[1]:
             continue
         found = [shutil.which(f"python3.{minor}")]
         found += sorted(pyenv.glob(f"versions/3.{minor}.*/bin/python3.{minor}"), reverse=True)
-        for path in filter(None, found):
+        found.append(made / f"3.{minor}" / "usr" / "bin" / f"python3.{minor}")
+        for path in (p for p in found if p and os.path.exists(p)):
             if subprocess.run([path, "-c", ""], capture_output=True).returncode == 0:
                 return str(path), f"cp3{minor}"
     return None
@@ -51,7 +55,7 @@ def _plan(*pythons):
 def test_interpreters_that_share_a_file_name_each_build_their_own_wheel(tmp_path):
     other = _another_python()
     if other is None:
-        pytest.skip("needs a second CPython 3.10-3.13 installed")
+        pytest.skip("needs a second CPython 3.10-3.15 installed")
     path, tag = other
     version = subprocess.run([path, "-c", "import platform; print(platform.python_version())"],
                              capture_output=True, text=True, check=True).stdout.strip()
