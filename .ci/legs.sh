@@ -72,11 +72,14 @@ readme_leg() {
 
 # slow_leg 3.X: the tests the README's command leaves out as slow (`pytest -m slow`: the
 # benchmarks' smoke runs, the tutorials, the stress tests, jobs of processes that fail, the
-# ecosystem's libraries), in wheel_leg 3.X's environment with the test extra added.
+# ecosystem's libraries), in wheel_leg 3.X's environment with the test extra added. Then
+# the modules that compare with jax-finufft and JAXbind: neither README leg's Python (3.10,
+# 3.15) installs them, so there those comparisons skip.
 slow_leg() {
     local venv=".venv-cp${1/./}"
     "$venv/bin/pip" install -q "$(wheel_for "$1")[test]"
     in_tests "$venv" -q -m slow
+    in_tests "$venv" -q test_contrib_finufft.py test_contrib_finufft_surface.py test_docs.py
 }
 
 # wheel_for 3.X: the manylinux wheel tools/build-dist left in dist/ for that Python.

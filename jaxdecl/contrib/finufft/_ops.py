@@ -35,7 +35,7 @@ import jaxdecl as jd
 
 from . import _derivatives
 from ._library import CONFIG_SIZE, KERNELS
-from ._options import NestedOpts, Opts, pack, resolved, unpack
+from ._options import NestedOpts, Opts, pack, resolved, unpack_opts
 
 _REAL = {np.dtype(np.complex64): np.dtype(np.float32),
          np.dtype(np.complex128): np.dtype(np.float64)}
@@ -150,7 +150,7 @@ class _Type1(_Transform):
 
     def transposed(self) -> _Type2:
         """The type 2 that is this op's transpose (same sign; the backward options)."""
-        return Type2Op(self.eps, self.iflag, unpack(self.opts, 1, False))
+        return Type2Op(self.eps, self.iflag, unpack_opts(self.opts, 1, False))
 
 
 class _Type2(_Transform):
@@ -172,7 +172,7 @@ class _Type2(_Transform):
 
     def transposed(self, n_modes) -> _Type1:
         """The type 1 (onto `n_modes`) that is this op's transpose."""
-        return Type1Op(n_modes, self.eps, self.iflag, unpack(self.opts, 2, False))
+        return Type1Op(n_modes, self.eps, self.iflag, unpack_opts(self.opts, 2, False))
 
 
 class _Type3(_Transform):
@@ -199,7 +199,7 @@ class _Type3(_Transform):
 
     def transposed(self) -> _Type3:
         """The type 3 from the targets back to the points that is this op's transpose."""
-        return Type3Op(self.eps, self.iflag, unpack(self.opts, 3, False))
+        return Type3Op(self.eps, self.iflag, unpack_opts(self.opts, 3, False))
 
 
 class Type1Op(_Type1, jd.Primitive, linear=("source",)):

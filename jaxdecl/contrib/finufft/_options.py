@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 import typing
 from enum import IntEnum
 
@@ -138,6 +139,21 @@ class Opts:
                 raise TypeError(f"Opts.{field.name} takes {kind.__name__}, got {value!r}") from None
             object.__setattr__(self, field.name, converted)
 
+    def to_finufft_opts(self):
+        """finufft's own options (``finufft_opts``) as a plain object of ints and floats,
+        as jax-finufft's method of this name gives them."""
+        native = {name: int(getattr(self, name)) for name in _INTS[1:]}
+        return types.SimpleNamespace(**native, upsampfac=float(self.upsampfac))
+
+    def to_cufinufft_opts(self):
+        """cuFINUFFT's options as a plain object, as jax-finufft's method of this name gives
+        them (here only for callers that read them: contrib runs no cuFINUFFT)."""
+        return types.SimpleNamespace(
+            modeord=int(self.modeord), upsampfac=float(self.gpu_upsampfac),
+            gpu_method=int(self.gpu_method), gpu_sort=int(self.gpu_sort),
+            gpu_kerevalmeth=int(self.gpu_kerevalmeth),
+            gpu_maxbatchsize=int(self.gpu_maxbatchsize), debug=int(self.gpu_debug))
+
 
 @dataclasses.dataclass(frozen=True)
 class NestedOpts:
@@ -175,19 +191,31 @@ def as_opts(value):
     raise TypeError(f"opts takes jaxdecl.contrib.finufft.Opts, NestedOpts or None, got {value!r}")
 
 
-def unpack(opts, nufft_type: int, forward: bool):
-    """The options that apply to a transform of `nufft_type` (`forward`), or to the
-    transforms in the other direction (not `forward`), as jax-finufft chooses them."""
+def unpack_opts(opts, finufft_type, forward):
+    """The options that apply to a transform of `finufft_type` (`forward`), or to the
+    transforms in the other direction (not `forward`), as jax-finufft chooses them (its
+    ``unpack_opts``, with its parameter names: callers pass them by keyword).
+
+    Example:
+        >>> from jaxdecl.contrib.finufft.options import NestedOpts, Opts, unpack_opts
+        >>> nested = NestedOpts(type2=Opts(modeord=True))
+        >>> unpack_opts(nested, finufft_type=2, forward=True).modeord
+        True
+    """
     if not isinstance(opts, NestedOpts):
         return opts
     if forward:
-        return opts.forward if opts.forward is not None else getattr(opts, f"type{nufft_type}")
+        if opts.forward is not None:
+            return opts.forward
+        if finufft_type in (1, 2, 3):
+            return getattr(opts, f"type{finufft_type}")
+        return opts
     return opts.backward if opts.backward is not None else opts
 
 
 def resolved(opts, nufft_type: int) -> Opts:
     """The :class:`Opts` that a transform of `nufft_type` itself runs with."""
-    chosen = unpack(opts, nufft_type, True)
+    chosen = unpack_opts(opts, nufft_type, True)
     return Opts() if chosen is None else chosen
 
 
@@ -214,7 +242,7 @@ def pack(nufft_type: int, eps: float, iflag: int, opts) -> np.ndarray:
     config["magic"], config["size"] = CONFIG_MAGIC, CONFIG_SIZE
     _settings(config["forward"], resolved(opts, nufft_type), eps, iflag)
     back = TRANSPOSED_TYPE[nufft_type]
-    _settings(config["transpose"], resolved(unpack(opts, nufft_type, False), back), eps, iflag)
+    _settings(config["transpose"], resolved(unpack_opts(opts, nufft_type, False), back), eps, iflag)
     packed = np.frombuffer(config.tobytes(), np.uint8).copy()
     packed.flags.writeable = False
     return packed

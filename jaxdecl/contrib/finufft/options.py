@@ -17,7 +17,7 @@ from ._options import NestedOpts as NestedOpts
 from ._options import Opts as Opts
 from ._options import SpreadSort as SpreadSort
 from ._options import SpreadThread as SpreadThread
-from ._options import unpack as unpack_opts
+from ._options import unpack_opts as unpack_opts
 
 __all__ = ["DebugLevel", "FftwFlags", "GpuDebugLevel", "GpuMethod", "NestedOpts", "Opts",
            "SpreadSort", "SpreadThread", "unpack_opts"]
