@@ -74,12 +74,14 @@ readme_leg() {
 # benchmarks' smoke runs, the tutorials, the stress tests, jobs of processes that fail, the
 # ecosystem's libraries), in wheel_leg 3.X's environment with the test extra added. Then
 # the modules that compare with jax-finufft and JAXbind: neither README leg's Python (3.10,
-# 3.15) installs them, so there those comparisons skip.
+# 3.15) installs them, so there those comparisons skip. Last, jax-finufft's own tests and a
+# library's built on it, on contrib.finufft (tools/run-downstream).
 slow_leg() {
     local venv=".venv-cp${1/./}"
     "$venv/bin/pip" install -q "$(wheel_for "$1")[test]"
     in_tests "$venv" -q -m slow
     in_tests "$venv" -q test_contrib_finufft.py test_contrib_finufft_surface.py test_docs.py
+    bash tools/run-downstream "$venv"
 }
 
 # wheel_for 3.X: the manylinux wheel tools/build-dist left in dist/ for that Python.
