@@ -80,7 +80,8 @@ slow_leg() {
     local venv=".venv-cp${1/./}"
     "$venv/bin/pip" install -q "$(wheel_for "$1")[test]"
     in_tests "$venv" -q -m slow
-    in_tests "$venv" -q test_contrib_finufft.py test_contrib_finufft_surface.py test_docs.py
+    in_tests "$venv" -q test_contrib_finufft.py test_contrib_finufft_surface.py \
+        test_docs.py -k "jax_finufft or surface or jaxbind"
     bash tools/run-downstream "$venv"
 }
 
