@@ -153,9 +153,11 @@ def join_job() -> tuple:
     import inspect
 
     known = inspect.signature(jax.distributed.initialize).parameters
-    if "heartbeat_timeout_seconds" in known:  # JAX >= 0.7
-        timeouts.update(heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT,
-                        shutdown_timeout_seconds=SHUTDOWN_TIMEOUT)
+    # (heartbeat_timeout_seconds came with JAX 0.7, shutdown_timeout_seconds later)
+    for name, seconds in (("heartbeat_timeout_seconds", HEARTBEAT_TIMEOUT),
+                          ("shutdown_timeout_seconds", SHUTDOWN_TIMEOUT)):
+        if name in known:
+            timeouts[name] = seconds
     try:
         jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=processes,
                                    process_id=process, **timeouts)

@@ -49,6 +49,8 @@ def _imported(code) -> set:
 def test_docs_example_runs(code, tmp_path):
     for library in sorted(_imported(code) & OPTIONAL):
         need(library)
+    if "contrib.finufft" in code:  # (its kernels load finufft's library)
+        need("finufft")
     # A fresh interpreter: examples set jax options and define classes freely. It runs
     # outside the checkout (as a reader's script would), so that `import jaxdecl` finds the
     # installed package, not the unbuilt source tree.

@@ -62,7 +62,7 @@ def test_an_exported_program_runs_its_rules_on_the_jit_programs_blocks(tmp_path)
     for name in ("jit", "exported"):
         assert checks[f"{name}: value"] is True, name
         assert checks[f"{name}: rules saw"] == rows, (name, checks[f"{name}: rules saw"])
-        assert checks[f"{name}: layout"] == "P('d',)", (name, checks[f"{name}: layout"])
+        assert checks[f"{name}: layout"] == "('d',)", (name, checks[f"{name}: layout"])
 
 
 def test_programs_saved_before_the_rooms_still_load():
