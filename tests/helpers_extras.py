@@ -51,13 +51,12 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def left_out(distribution: str, python: str | None = None):
-    """The test extra's marker that leaves `distribution` out on Python `python` (X.Y,
-    default this one), or None where the extra installs it."""
-    env = {"python_version": python} if python else {}
+def left_out(distribution: str):
+    """The test extra's marker that leaves `distribution` out on this Python, or None where
+    the extra installs it."""
     for requirement in extra_requirements("test"):
         if canonical(requirement.name) == canonical(distribution) and requirement.marker:
-            if not requirement.marker.evaluate(env):
+            if not requirement.marker.evaluate():
                 return requirement.marker
     return None
 

@@ -34,7 +34,7 @@ def _legs_variable(name: str) -> str:
     return re.search(rf"^{name}='(.*)'$", (CI / "legs.sh").read_text(), re.M)[1]
 
 
-def _supported_pythons() -> list:
+def supported_pythons() -> list:
     """The README's range, ``CPython **3.10 to 3.15**``, as ["3.10", ..., "3.15"]."""
     low, high = re.search(r"CPython \*\*3\.(\d+) to 3\.(\d+)\*\*", README.read_text()).groups()
     return [f"3.{minor}" for minor in range(int(low), int(high) + 1)]
@@ -46,7 +46,7 @@ def test_the_readme_set_up_commands_are_the_ones_ci_runs():
     commands = re.findall(r"```bash\n(python3 -m venv .*)\n```", README.read_text())
     assert commands == [_legs_variable("README_QUICKSTART"), _legs_variable("README_TESTS")]
     legs = re.findall(r"^leg (\S+) readme_leg ?(\S*)$", (CI / "run").read_text(), re.M)
-    pythons = _supported_pythons()
+    pythons = supported_pythons()
     # The oldest and the newest supported Python (the one between them: tools/sweep).
     assert sorted(python for _, python in legs) == [pythons[0], pythons[-1]], legs
     assert ">=" + pythons[0] in (README.parent / "pyproject.toml").read_text()
@@ -56,7 +56,7 @@ def test_what_a_supported_python_cannot_install_is_left_out_there_and_named():
     # Without a marker pip searches every release of everything else for one that fits
     # (the test command then never ends); with one, the README says what is missing where.
     readme = " ".join(README.read_text().split())
-    pythons = _supported_pythons()
+    pythons = supported_pythons()
     marked = [r for r in extra_requirements("test")
               if r.marker and "python_version" in str(r.marker)]
     assert marked, "flax >= 0.11 needs Python >= 3.11"

@@ -19,6 +19,7 @@ import pytest
 from conftest import DEPRECATIONS_ARE_ERRORS
 from helpers_extras import canonical, extra_requirements
 from packaging.version import Version
+from test_readme import supported_pythons
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -46,8 +47,7 @@ PYTHONS = [p for p in TABLE if not p.endswith("t")]  # the free-threaded rows ar
 
 
 def test_the_table_has_a_row_for_every_supported_python():
-    low, high = re.search(r"CPython \*\*3\.(\d+) to 3\.(\d+)\*\*", README).groups()
-    assert PYTHONS == [f"3.{m}" for m in range(int(low), int(high) + 1)]
+    assert PYTHONS == supported_pythons()
     assert all(TABLE[p][0] == f"cp{p.replace('.', '')}" for p in PYTHONS), TABLE
 
 
