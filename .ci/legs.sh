@@ -3,29 +3,127 @@
 _LEG_ROWS=()
 _LEG_STARTED=$SECONDS
 _LEG_RUNNING=""  # the leg under way, and when it started
+_LEG_LOGS=${_LEG_LOGS:-$PWD/.ci-logs}  # what `beside` legs print, and how each ended
+_LANE_LAST=""    # the `beside` leg started last: the next one runs after it
+_LANE_PIDS=()    # their process groups, stopped if the run ends before they do
+_AWAITED=()
 
-# leg NAME COMMAND...: runs one leg and records how long it took. The command runs under
-# the caller's `set -e` (not in an `||` list, which would switch it off inside): a failing
-# step stops the run, and the table printed on exit names the leg.
+# leg NAME COMMAND...: runs one leg and records how long it took and the CPU time its
+# processes used. The command runs in a subshell under the caller's `set -e` (not in an `||`
+# list, which would switch it off inside): a failing step stops the run, and the table printed
+# on exit names the leg.
 leg() {
     _LEG_RUNNING="$1 $SECONDS"
     printf '\n=== %s: %s\n' "$1" "${*:2}"
-    "${@:2}"
-    _leg_row ok
+    mkdir -p "$_LEG_LOGS"
+    ("${@:2}"; _children_cpu >"$_LEG_LOGS/$1.cpu")
+    _leg_row ok "$(cat "$_LEG_LOGS/$1.cpu")"
+}
+
+# beside NAME COMMAND...: starts a leg that runs beside the legs after it: for legs that keep
+# about one core busy (pip's downloads and unpacking, tutorials one after another, sphinx),
+# so that the foreground's legs have the other. Legs started with `beside` run one after
+# another in the order given (one lane; after a failure the rest of the lane does not run).
+# Their output goes to $_LEG_LOGS/NAME.log, printed by `await NAME`.
+beside() {
+    local name=$1 after=$_LANE_LAST
+    _LANE_LAST=$name
+    mkdir -p "$_LEG_LOGS"
+    rm -f "$_LEG_LOGS/$name.status"
+    set -m  # its own process group: a run that fails stops the whole lane
+    (
+        trap - EXIT
+        set +e
+        if [ -n "$after" ]; then
+            until [ -e "$_LEG_LOGS/$after.status" ]; do sleep 1; done
+            read -r status _ <"$_LEG_LOGS/$after.status"
+            if [ "$status" != 0 ]; then
+                echo "not run: $after, before it in the lane, failed" >"$_LEG_LOGS/$name.log"
+                echo "skipped 0 0" >"$_LEG_LOGS/$name.status"
+                exit 0
+            fi
+        fi
+        start=$SECONDS
+        (set -e; "${@:2}") >"$_LEG_LOGS/$name.log" 2>&1
+        status=$?
+        _children_cpu >"$_LEG_LOGS/$name.cpu"
+        echo "$status $((SECONDS - start)) $(cat "$_LEG_LOGS/$name.cpu")" \
+            >"$_LEG_LOGS/$name.status.part"
+        mv "$_LEG_LOGS/$name.status.part" "$_LEG_LOGS/$name.status"
+    ) &
+    _LANE_PIDS+=("$!")
+    set +m
+    printf '\n=== %s (beside the legs below): %s\n' "$name" "${*:2}"
+}
+
+# await NAME...: waits for those `beside` legs, prints their output, records their rows;
+# fails if one of them failed.
+await() {
+    local name status seconds cpu failed=()
+    for name in "$@"; do
+        until [ -e "$_LEG_LOGS/$name.status" ]; do sleep 1; done
+        read -r status seconds cpu <"$_LEG_LOGS/$name.status"
+        printf '\n=== %s (ran beside the legs above): %s s\n' "$name" "$seconds"
+        cat "$_LEG_LOGS/$name.log"
+        _AWAITED+=("$name")
+        case $status in
+            0) _LEG_ROWS+=("$(_row "$name" "$seconds" "$cpu" "ok (beside)")") ;;
+            skipped) _LEG_ROWS+=("$(_row "$name" 0 0 "not run (beside)")"); failed+=("$name") ;;
+            *) _LEG_ROWS+=("$(_row "$name" "$seconds" "$cpu" "FAILED ($status, beside)")")
+               failed+=("$name") ;;
+        esac
+    done
+    [ ${#failed[@]} = 0 ] || { echo "await: ${failed[*]} failed" >&2; return 1; }
+}
+
+# _children_cpu: prints the CPU seconds (user + system) of the processes this shell started
+# that have ended (Linux's /proc; "-" elsewhere). Call it with a redirection, not in $(...):
+# that subshell would count only its own children.
+_children_cpu() {
+    local stat fields
+    if [ -r "/proc/$BASHPID/stat" ]; then
+        read -r stat <"/proc/$BASHPID/stat"
+        read -r -a fields <<<"${stat##*) }"  # after "(comm)": fields 3, 4, ...
+        echo $(((fields[13] + fields[14]) / $(getconf CLK_TCK)))  # cutime + cstime
+    else
+        echo -
+    fi
+}
+
+_row() {  # NAME SECONDS CPU RESULT
+    local seconds=$2
+    [[ $seconds =~ ^[0-9]+$ ]] && seconds+=s
+    printf '%-10s %7s %6s  %s' "$1" "$seconds" "$3" "$4"
 }
 
 _leg_row() {
     local name=${_LEG_RUNNING% *} start=${_LEG_RUNNING#* }
-    _LEG_ROWS+=("$(printf '%-10s %6ds  %s' "$name" $((SECONDS - start)) "$1")")
+    _LEG_ROWS+=("$(_row "$name" $((SECONDS - start)) "${2:--}" "$1")")
     _LEG_RUNNING=""
 }
 
 _print_legs() {
-    local status=$?
+    local status=$? pid name total_cpu=0 row
     [ -z "$_LEG_RUNNING" ] || _leg_row "FAILED ($status)"
-    printf '\n%-10s %7s  %s\n' leg seconds result
-    [ ${#_LEG_ROWS[@]} = 0 ] || printf '%s\n' "${_LEG_ROWS[@]}"
-    printf '%-10s %6ds  %s\n' total $((SECONDS - _LEG_STARTED)) \
+    for pid in "${_LANE_PIDS[@]}"; do  # a lane still running when the run ends
+        if kill -TERM -- "-$pid" 2>/dev/null; then  # (gloo's processes outlive a TERM)
+            sleep 2
+            kill -KILL -- "-$pid" 2>/dev/null || true
+        fi
+    done
+    for name in $(ls "$_LEG_LOGS" 2>/dev/null | sed -n 's/\.log$//p'); do
+        [[ " ${_AWAITED[*]} " == *" $name "* ]] && continue
+        printf '\n=== %s (beside, not awaited): the end of its output\n' "$name"
+        tail -n 40 "$_LEG_LOGS/$name.log"
+        _LEG_ROWS+=("$(_row "$name" - - "stopped (beside)")")
+    done
+    printf '\n%-10s %7s %6s  %s\n' leg seconds cpu-s result
+    for row in "${_LEG_ROWS[@]}"; do
+        printf '%s\n' "$row"
+        read -r _ _ cpu _ <<<"$row"
+        [[ $cpu =~ ^[0-9]+$ ]] && total_cpu=$((total_cpu + cpu))
+    done
+    printf '%-10s %6ds %6s  %s\n' total $((SECONDS - _LEG_STARTED)) "$total_cpu" \
         "$([ $status = 0 ] && echo ok || echo FAILED)"
 }
 trap _print_legs EXIT

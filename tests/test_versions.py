@@ -70,9 +70,11 @@ def test_ci_builds_and_installs_a_wheel_for_every_supported_python():
     if not CI.is_dir():
         pytest.skip(".ci/ is part of the checkout")
     run = (CI / "run").read_text()
-    built = re.search(r"^leg wheels bash tools/build-dist (.*?)\n(?!\s)", run, re.M | re.S)[1]
+    # (`leg` or `beside`: a leg in the foreground or in the lane beside it)
+    built = re.search(r"^(?:leg|beside) wheels (?:env \S+ )*bash tools/build-dist (.*?)\n(?!\s)",
+                      run, re.M | re.S)[1]
     assert re.findall(r"python_for (3\.\d+)", built) == PYTHONS
-    legs = re.findall(r"^leg cp(\d+) wheel_leg (3\.\d+)$", run, re.M)
+    legs = re.findall(r"^(?:leg|beside) cp(\d+) wheel_leg (3\.\d+)$", run, re.M)
     assert sorted(python for _, python in legs) == PYTHONS
     # The README's command runs on the newest Python, which gets the newest of everything.
     readme_legs = re.findall(r"^leg \S+ readme_leg (3\.\d+)$", run, re.M)
