@@ -17,7 +17,7 @@ host copies of XLA's buffers); there are no cufinufft device rules. See
 
 Modules: ``_library`` (finufft's C library and the kernels, ``_kernels.cc``),
 ``_options`` (``Opts`` and the packing of settings for the kernels),
-``_shapes`` (jax-finufft's broadcasting), ``_ops`` (the three ops),
+``_shapes`` (jax-finufft's broadcasting), ``_ops`` (the three ops; types 1 and 2 masked),
 ``_derivatives`` (their derivatives in the points), ``_api`` (the functions).
 ``options`` re-exports the options under jax-finufft's module name.
 

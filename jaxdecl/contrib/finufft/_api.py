@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _shapes
-from ._ops import Type1Op, Type2Op, Type3Op
+from ._ops import MaskedType1Op, MaskedType2Op, Type1Op, Type2Op, Type3Op
 from ._options import as_opts
 
 _COMPLEX_OF = {np.dtype(np.float32): np.dtype(np.complex64),
@@ -47,20 +47,37 @@ def _prepare(iflag, eps, opts):
     return int(iflag), float(eps), as_opts(opts)
 
 
+def _check_mask(name: str, mask):
+    """The mask as a bool array; raises naming it."""
+    mask = jnp.asarray(mask)
+    if mask.dtype != jnp.bool_:
+        raise TypeError(f"{name}: mask must be a bool array (True for a point, False for "
+                        f"padding), got {mask.dtype}; compare it, e.g. mask=(index < count)")
+    return mask
+
+
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("iflag", "eps", "opts"))
-def _nufft1(output_shape, source, *points, iflag, eps, opts):
+def _nufft1(output_shape, source, *points, mask, iflag, eps, opts):
     source = _check_inputs("nufft1", source, points, len(points))
-    layout, points, _, values = _shapes.flatten(1, source, points, ())
-    op = Type1Op(output_shape, eps, iflag, opts)
-    return layout.unflatten(op(op.config, points, values))
+    if mask is None:
+        layout, points, _, values = _shapes.flatten(1, source, points, ())
+        op = Type1Op(output_shape, eps, iflag, opts)
+        return layout.unflatten(op(op.config, points, values))
+    layout, points, _, values, mask = _shapes.flatten(1, source, points, (), mask)
+    op = MaskedType1Op(output_shape, eps, iflag, opts)
+    return layout.unflatten(op(op.config, points, mask, values))
 
 
 @functools.partial(jax.jit, static_argnames=("iflag", "eps", "opts"))
-def _nufft2(source, *points, iflag, eps, opts):
+def _nufft2(source, *points, mask, iflag, eps, opts):
     source = _check_inputs("nufft2", source, points, len(points))
-    layout, points, _, values = _shapes.flatten(2, source, points, ())
-    op = Type2Op(eps, iflag, opts)
-    return layout.unflatten(op(op.config, points, values))
+    if mask is None:
+        layout, points, _, values = _shapes.flatten(2, source, points, ())
+        op = Type2Op(eps, iflag, opts)
+        return layout.unflatten(op(op.config, points, values))
+    layout, points, _, values, mask = _shapes.flatten(2, source, points, (), mask)
+    op = MaskedType2Op(eps, iflag, opts)
+    return layout.unflatten(op(op.config, points, mask, values))
 
 
 @functools.partial(jax.jit, static_argnames=("iflag", "eps", "opts"))
@@ -75,7 +92,7 @@ def _nufft3(source, *points, iflag, eps, opts):
     return layout.unflatten(op(op.config, xs, ss, values))
 
 
-def nufft1(output_shape, source, *points, iflag=1, eps=1e-6, opts=None):
+def nufft1(output_shape, source, *points, iflag=1, eps=1e-6, opts=None, mask=None):
     """Type-1 NUFFT: strengths at non-uniform points -> Fourier modes (jax-finufft's ``nufft1``).
 
     f[k] = Σ_j c[j] exp(iflag · i k·x_j) for k in [-N/2, N/2) per axis (or FFT
@@ -92,6 +109,10 @@ def nufft1(output_shape, source, *points, iflag=1, eps=1e-6, opts=None):
         iflag: the sign of the exponent (+1 or -1).
         eps: the requested relative accuracy.
         opts: an :class:`Opts` or :class:`NestedOpts` (or jax-finufft's own).
+        mask: (not in jax-finufft) a bool array that broadcasts with the points,
+            False for padding: a padded point and its strength are never read
+            (NaN is fine there) and cost nothing. The result is the unpadded
+            call's, and so are the derivatives (zero for padded inputs).
 
     Returns:
         ``(..., *output_shape)``, the dtype of ``source``.
@@ -110,10 +131,11 @@ def nufft1(output_shape, source, *points, iflag=1, eps=1e-6, opts=None):
         raise ValueError(f"nufft1: output_shape must be {len(points)} integers (one per "
                          f"coordinate array), got {output_shape!r}")
     return _nufft1(tuple(int(n) for n in shape), jnp.asarray(source), *points,
+                   mask=None if mask is None else _check_mask("nufft1", mask),
                    **dict(zip(("iflag", "eps", "opts"), _prepare(iflag, eps, opts))))
 
 
-def nufft2(source, *points, iflag=-1, eps=1e-6, opts=None):
+def nufft2(source, *points, iflag=-1, eps=1e-6, opts=None, mask=None):
     """Type-2 NUFFT: Fourier modes -> values at non-uniform points (jax-finufft's ``nufft2``).
 
     c[j] = Σ_k f[k] exp(iflag · i k·x_j). Linear in ``source``,
@@ -124,6 +146,9 @@ def nufft2(source, *points, iflag=-1, eps=1e-6, opts=None):
             float64 promoted); leading dims the points lack are a batch.
         *points: 1 to 3 coordinate arrays ``(..., M)``, float32/float64 to match.
         iflag, eps, opts: as :func:`nufft1` (``iflag`` defaults to -1).
+        mask: (not in jax-finufft) a bool array that broadcasts with the points,
+            False for padding: finufft never sees a padded point, whose value
+            is 0 (its coordinates are never read; NaN is fine there).
 
     Returns:
         ``(..., M)``, the dtype of ``source``.
@@ -136,6 +161,7 @@ def nufft2(source, *points, iflag=-1, eps=1e-6, opts=None):
         [(1+0j), (1+0j)]
     """
     return _nufft2(jnp.asarray(source), *points,
+                   mask=None if mask is None else _check_mask("nufft2", mask),
                    **dict(zip(("iflag", "eps", "opts"), _prepare(iflag, eps, opts))))
 
 

@@ -14,6 +14,12 @@
 // T point sets, each with B transforms that share them (finufft's n_trans). The
 // transposes take the same operands as their forward with the cotangent last.
 //
+// The masked kernels of types 1 and 2 take a mask (T, M) (bool) after the points: a
+// point whose entry is false is padding, which finufft never sees. Its strength is not
+// read (type 1) and its value is written as zero (type 2); its coordinates are not read,
+// so padding may hold anything, NaN included. Each set's points are gathered first
+// (M' <= M of them), so a padded call costs what the unpadded one does.
+//
 // Plans are kept between calls in one pool, per configuration (precision, type,
 // modes, n_trans, every option). A call checks a plan out, uses it, and gives it
 // back, so no plan is ever used by two threads at once, whichever threads XLA
@@ -93,6 +99,7 @@ static_assert(sizeof(Config) == 152, "CONFIG_DTYPE in _options.py");
 // ---------------------------------------------------------------------------
 
 std::atomic<int64_t> plans_made{0}, setpts_run{0}, setpts_skipped{0};
+std::atomic<int64_t> points_set{0};  // points given to setpts, summed (padding never is)
 std::atomic<int64_t> executed[4] = {{0}, {0}, {0}, {0}};     // calls of execute, by type
 std::atomic<int64_t> transforms[4] = {{0}, {0}, {0}, {0}};   // n_trans summed, by type
 
@@ -228,6 +235,7 @@ struct Call {
   const jaxdecl_buffer* to[3];      // type 3: the targets (s, t, u) (T, K)
   const jaxdecl_buffer* input;      // (T, B, ...)
   const jaxdecl_buffer* output;     // (T, B, ...)
+  const jaxdecl_buffer* mask;       // masked kernels: (T, M), false for padding; else null
   int64_t sets, batch, m, k;        // T, B, points, targets (type 3)
   int64_t modes[3];                 // types 1, 2: finufft's order (fastest first)
 };
@@ -296,6 +304,7 @@ int set_points(Entry& entry, const Call& call, int64_t t, const Api<Real>& api) 
     targets[i] = reinterpret_cast<const Real*>(copy);
   }
   ++setpts_run;
+  points_set += call.m;
   int code = api.setpts(entry.plan, call.m, first[0], first[1], first[2],
                         call.type == 3 ? call.k : 0, targets[0], targets[1], targets[2]);
   if (code > 1) return code;
@@ -303,6 +312,62 @@ int set_points(Entry& entry, const Call& call, int64_t t, const Api<Real>& api) 
   entry.k = call.k;
   entry.sample = fingerprint(call, t, sizeof(Real));
   return 0;
+}
+
+// Set t of a masked call (types 1 and 2): its kept points gathered into a one-set call of
+// M' points, run by `transform`; type 1's strengths are gathered the same way, type 2's
+// values scattered back with zeros at the padding. A set without points transforms
+// nothing: type 1's modes and type 2's values are zeros.
+template <typename Real, typename Transform>
+void masked_set(const Call& call, int64_t t, Transform& transform) {
+  using Complex = std::complex<Real>;
+  const unsigned char* keep = static_cast<const unsigned char*>(call.mask->data) + t * call.m;
+  std::vector<int64_t> kept;
+  kept.reserve(static_cast<size_t>(call.m));
+  for (int64_t j = 0; j < call.m; ++j)
+    if (keep[j]) kept.push_back(j);
+  const int64_t m = static_cast<int64_t>(kept.size()), batch = call.batch;
+  const bool scatter = call.type == 2;  // the nonuniform values are the output
+  const jaxdecl_buffer& modes = scatter ? *call.input : *call.output;
+  const int64_t mode_size = volume(modes, 1);
+  Complex* values = static_cast<Complex*>((scatter ? call.output : call.input)->data) +
+                    t * batch * call.m;
+  if (m == 0) {
+    Complex* zeros = scatter ? values : static_cast<Complex*>(call.output->data) + t * mode_size;
+    std::fill(zeros, zeros + (scatter ? batch * call.m : mode_size), Complex(0));
+    return;
+  }
+  // The gathered set: coordinates (d, M'), values (1, B, M'), the modes' row t in place.
+  std::vector<Real> coords(static_cast<size_t>(call.dim * m));
+  std::vector<Complex> gathered(static_cast<size_t>(batch * m));
+  const int64_t one_set[2] = {1, m}, gathered_dims[3] = {1, batch, m};
+  jaxdecl_buffer points[3], nonuniform, uniform;
+  Call g = call;
+  g.sets = 1;
+  g.m = m;
+  g.mask = nullptr;
+  for (int i = 0; i < call.dim; ++i) {
+    const Real* row = static_cast<const Real*>(call.from[i]->data) + t * call.m;
+    Real* dst = coords.data() + i * m;
+    for (int64_t j = 0; j < m; ++j) dst[j] = row[kept[j]];
+    points[i] = {dst, one_set, 2, call.from[i]->dtype};
+    g.from[i] = &points[i];
+  }
+  if (!scatter) {
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t j = 0; j < m; ++j) gathered[b * m + j] = values[b * call.m + kept[j]];
+  }
+  nonuniform = {gathered.data(), gathered_dims, 3, call.input->dtype};
+  uniform = modes;  // row t of the modes, as a set of its own
+  uniform.data = static_cast<Complex*>(modes.data) + t * mode_size;
+  (scatter ? g.output : g.input) = &nonuniform;
+  (scatter ? g.input : g.output) = &uniform;
+  transform(g, 0);  // (a failure is the caller's `code`: the values are then not read)
+  if (scatter) {
+    std::fill(values, values + batch * call.m, Complex(0));
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t j = 0; j < m; ++j) values[b * call.m + kept[j]] = gathered[b * m + j];
+  }
 }
 
 template <typename Real>
@@ -352,24 +417,31 @@ int run(const Call& call, const Settings& settings, const Api<Real>& api, Failur
     ++plans_made;
   }
 
-  const int64_t in_size = volume(*call.input, 1), out_size = volume(*call.output, 1);
   int code = 0;
   const char* step = "finufft_setpts";
-  for (int64_t t = 0; t < call.sets && code == 0; ++t) {
-    if (same_points(*entry, call, t, sizeof(Real))) {
+  // Set t of `c`: setpts unless the plan has these points already, then execute.
+  auto transform = [&](const Call& c, int64_t t) {
+    const int64_t in_size = volume(*c.input, 1), out_size = volume(*c.output, 1);
+    step = "finufft_setpts";
+    if (same_points(*entry, c, t, sizeof(Real))) {
       ++setpts_skipped;
     } else {
-      code = set_points(*entry, call, t, api);
-      if (code != 0) break;
+      code = set_points(*entry, c, t, api);
+      if (code != 0) return;
     }
-    Complex* in = static_cast<Complex*>(call.input->data) + t * in_size;
-    Complex* out = static_cast<Complex*>(call.output->data) + t * out_size;
+    Complex* in = static_cast<Complex*>(c.input->data) + t * in_size;
+    Complex* out = static_cast<Complex*>(c.output->data) + t * out_size;
     // execute(plan, nonuniform values, uniform values): which is read depends on the type.
     step = "finufft_execute";
-    code = call.type == 2 ? api.execute(entry->plan, out, in) : api.execute(entry->plan, in, out);
+    code = c.type == 2 ? api.execute(entry->plan, out, in) : api.execute(entry->plan, in, out);
     if (code == 1) code = 0;  // a warning (eps below what the precision reaches)
-    ++executed[call.type];
-    transforms[call.type] += call.batch;
+    ++executed[c.type];
+    transforms[c.type] += c.batch;
+  };
+  if (call.mask == nullptr) {
+    for (int64_t t = 0; t < call.sets && code == 0; ++t) transform(call, t);
+  } else {
+    for (int64_t t = 0; t < call.sets && code == 0; ++t) masked_set<Real>(call, t, transform);
   }
   if (code != 0) {
     destroy(*entry);
@@ -380,12 +452,12 @@ int run(const Call& call, const Settings& settings, const Api<Real>& api, Failur
 }
 
 // Checks the operands against the layout above and runs the transform.
-int kernel(Role role, bool transposed, const jaxdecl_buffer* in, int64_t n_in,
+int kernel(Role role, bool transposed, bool masked, const jaxdecl_buffer* in, int64_t n_in,
            const jaxdecl_buffer* out, int64_t n_out, char* message, int64_t size) {
   Failure fail{message, size};
   if (!bound.load()) return fail("finufft's library is not bound (import jaxdecl.contrib.finufft)");
   const bool three = role == Role::kType3 || role == Role::kType3Swapped;
-  const int64_t n_points = n_in - 2;
+  const int64_t n_points = n_in - (masked ? 3 : 2);
   if (n_out != 1 || n_points < 1 || (three && n_points % 2 != 0))
     return fail("wrong number of operands");
   const int dim = static_cast<int>(three ? n_points / 2 : n_points);
@@ -411,6 +483,7 @@ int kernel(Role role, bool transposed, const jaxdecl_buffer* in, int64_t n_in,
   call.dim = dim;
   call.input = &data;
   call.output = &result;
+  call.mask = masked ? &in[n_in - 2] : nullptr;
   // The points arrive x, y, z: finufft's first (fastest) dimension is the last
   // mode axis, so the kernel gives setpts the last coordinate first.
   const jaxdecl_buffer* first = in + 1;
@@ -428,6 +501,9 @@ int kernel(Role role, bool transposed, const jaxdecl_buffer* in, int64_t n_in,
   call.sets = call.from[0]->dims[0];
   call.m = call.from[0]->dims[1];
   call.k = three ? call.to[0]->dims[1] : 0;
+  if (masked && (call.mask->dtype != JAXDECL_BOOL || call.mask->rank != 2 ||
+                 call.mask->dims[0] != call.sets || call.mask->dims[1] != call.m))
+    return fail("the mask must be a bool array (T, M) of the points' shape");
   for (int i = 0; i < dim; ++i) {
     if (call.from[i]->dims[0] != call.sets || call.from[i]->dims[1] != call.m ||
         (three && (call.to[i]->dims[0] != call.sets || call.to[i]->dims[1] != call.k)))
@@ -468,17 +544,21 @@ int kernel(Role role, bool transposed, const jaxdecl_buffer* in, int64_t n_in,
   return single ? run<float>(call, settings, api32, fail) : run<double>(call, settings, api64, fail);
 }
 
-#define KERNEL(NAME, ROLE, TRANSPOSED)                                                  \
+#define KERNEL(NAME, ROLE, TRANSPOSED, MASKED)                                          \
   extern "C" int NAME(const jaxdecl_buffer* in, int64_t n_in, const jaxdecl_buffer* out, \
                       int64_t n_out, char* message, int64_t size) {                      \
-    return kernel(ROLE, TRANSPOSED, in, n_in, out, n_out, message, size);                 \
+    return kernel(ROLE, TRANSPOSED, MASKED, in, n_in, out, n_out, message, size);         \
   }
-KERNEL(nufft_type1, Role::kType1, false)
-KERNEL(nufft_type1_transpose, Role::kType1, true)
-KERNEL(nufft_type2, Role::kType2, false)
-KERNEL(nufft_type2_transpose, Role::kType2, true)
-KERNEL(nufft_type3, Role::kType3, false)
-KERNEL(nufft_type3_transpose, Role::kType3Swapped, true)
+KERNEL(nufft_type1, Role::kType1, false, false)
+KERNEL(nufft_type1_transpose, Role::kType1, true, false)
+KERNEL(nufft_type2, Role::kType2, false, false)
+KERNEL(nufft_type2_transpose, Role::kType2, true, false)
+KERNEL(nufft_type3, Role::kType3, false, false)
+KERNEL(nufft_type3_transpose, Role::kType3Swapped, true, false)
+KERNEL(nufft_type1_masked, Role::kType1, false, true)
+KERNEL(nufft_type1_masked_transpose, Role::kType1, true, true)
+KERNEL(nufft_type2_masked, Role::kType2, false, true)
+KERNEL(nufft_type2_masked_transpose, Role::kType2, true, true)
 #undef KERNEL
 
 template <typename Real>
@@ -518,6 +598,10 @@ PYBIND11_MODULE(_kernels, m, py::mod_gil_not_used()) {
     put("type2_transpose", &nufft_type2_transpose);
     put("type3", &nufft_type3);
     put("type3_transpose", &nufft_type3_transpose);
+    put("type1_masked", &nufft_type1_masked);
+    put("type1_masked_transpose", &nufft_type1_masked_transpose);
+    put("type2_masked", &nufft_type2_masked);
+    put("type2_masked_transpose", &nufft_type2_masked_transpose);
     return found;
   }, "The kernels' addresses, for jd.cfunction.");
   m.def("clear", []() { return clear_pool(); }, "Destroys the plans no call uses; their count.");
@@ -526,6 +610,7 @@ PYBIND11_MODULE(_kernels, m, py::mod_gil_not_used()) {
     c["plans_made"] = plans_made.load();
     c["setpts_run"] = setpts_run.load();
     c["setpts_skipped"] = setpts_skipped.load();
+    c["points_set"] = points_set.load();
     for (int t = 1; t <= 3; ++t) {
       c[("executed_type" + std::to_string(t)).c_str()] = executed[t].load();
       c[("transforms_type" + std::to_string(t)).c_str()] = transforms[t].load();

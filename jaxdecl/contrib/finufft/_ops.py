@@ -9,6 +9,10 @@ then the coordinates as tuples of d arrays ``(T, M)``, then the values
 - ``Type1Op(n_modes)``: strengths ``(T, B, M)`` -> modes ``(T, B, *n_modes)``.
 - ``Type2Op()``: modes ``(T, B, N1, ..., Nd)`` -> values ``(T, B, M)``.
 - ``Type3Op()``: strengths ``(T, B, M)`` at the points -> ``(T, B, K)`` at the targets.
+- ``MaskedType1Op(n_modes)``, ``MaskedType2Op()``: the same with a bool ``mask (T, M)``
+  after the points, false for padding, which finufft never sees (the C kernels gather each
+  set's kept points): padded strengths add nothing, padded values are zero, and a padded
+  point's coordinates are never read.
 
 Each is partly linear (``linear=("source",)``): linear in its values, where
 ``@forward`` and ``@transpose`` are C kernels (type 1's transpose is a type 2
@@ -98,12 +102,17 @@ class _Transform:
         config_axis, *coord_axes, values_axis = axes
         if config_axis is not None:
             return NotImplemented  # settings per element: one call per element
+        # The coordinate groups are tuples; a mask is a bare array: a group of one here.
+        bare = [not isinstance(group, tuple) for group in coords]
+        coords = [(g,) if b else g for g, b in zip(coords, bare)]
+        coord_axes = [(a,) if b else a for a, b in zip(coord_axes, bare)]
+        call = self._call_with_groups(config, bare)
         leaf_axes = [a for group in coord_axes for a in group]
         if all(a is None for a in leaf_axes):  # shared points: the batch joins n_trans
             size = values.shape[values_axis]
             moved = jnp.moveaxis(values, values_axis, 1)  # (T, V, B, ...)
             sets, batch = moved.shape[0], moved.shape[2]
-            out = self(config, *coords, moved.reshape((sets, size * batch) + moved.shape[3:]))
+            out = call(coords, moved.reshape((sets, size * batch) + moved.shape[3:]))
             return out.reshape((sets, size, batch) + out.shape[2:]), 1
         size = next(x.shape[a] for group, group_axes in zip(coords, coord_axes)
                     for x, a in zip(group, group_axes) if a is not None)
@@ -119,8 +128,14 @@ class _Transform:
         coords = [tuple(folded(x, a) for x, a in zip(group, group_axes))
                   for group, group_axes in zip(coords, coord_axes)]
         values = leading(values, values_axis)  # (V, T, B, ...)
-        out = self(config, *coords, values.reshape((-1,) + values.shape[2:]))
+        out = call(coords, values.reshape((-1,) + values.shape[2:]))
         return out.reshape(values.shape[:2] + out.shape[1:]), 0
+
+    def _call_with_groups(self, config, bare):
+        """This op on (groups, values), a group of one given back as the bare array it was."""
+        def call(groups, values):
+            return self(config, *[g[0] if b else g for g, b in zip(groups, bare)], values)
+        return call
 
 
 class _Type1(_Transform):
@@ -221,3 +236,105 @@ class Type3Op(_Type3, jd.Primitive, linear=("source",)):
 
     push = jd.jvp(zeros=True, traceable=True)(_derivatives.push3)
     pull = jd.vjp(traceable=True)(_derivatives.pull3)
+
+
+# --- masked points: types 1 and 2 with padding -------------------------------------------
+
+
+def _check_mask(op, mask, points):
+    if np.dtype(mask.dtype) != np.bool_ or tuple(mask.shape) != tuple(points[0].shape):
+        raise TypeError(f"{type(op).__name__}: the mask must be bool {tuple(points[0].shape)} "
+                        f"(T, M), as the points; got {mask.dtype} {tuple(mask.shape)}")
+
+
+class _Masked:
+    """An op and its mask, called as the unmasked op is: what the derivatives call."""
+
+    def __init__(self, op, mask):
+        self.op, self.mask = op, mask
+        self.iflag, self.modeord = op.iflag, op.modeord
+        self.n_modes = getattr(op, "n_modes", None)
+
+    @property
+    def config(self):
+        return self.op.config
+
+    def __call__(self, config, points, values):
+        return self.op(config, points, self.mask, values)
+
+    def transposed(self, *n_modes):
+        return _Masked(self.op.transposed(*n_modes), self.mask)
+
+
+def _masked_points(mask, ct_points):
+    """A padded point's cotangent is zero, whatever its strength held (NaN included)."""
+    if ct_points is None:
+        return None
+    return tuple(jnp.where(mask, c, 0) for c in ct_points)
+
+
+def _push1_masked(op, config, points, mask, source, dpoints, dsource):
+    return _derivatives.push1(_Masked(op, mask), config, points, source, dpoints, dsource)
+
+
+def _pull1_masked(op, config, points, mask, source, ct, *, wanted=(True, True)):
+    ct_points, ct_source = _derivatives.pull1(_Masked(op, mask), config, points, source, ct,
+                                              wanted=wanted)
+    return _masked_points(mask, ct_points), ct_source
+
+
+def _push2_masked(op, config, points, mask, source, dpoints, dsource):
+    tangent = _derivatives.push2(_Masked(op, mask), config, points, source, dpoints, dsource)
+    return None if tangent is None else jnp.where(mask[:, None, :], tangent, 0)
+
+
+def _pull2_masked(op, config, points, mask, source, ct, *, wanted=(True, True)):
+    ct_points, ct_source = _derivatives.pull2(_Masked(op, mask), config, points, source, ct,
+                                              wanted=wanted)
+    return _masked_points(mask, ct_points), ct_source
+
+
+class MaskedType1Op(_Type1, jd.Primitive, linear=("source",)):
+    """Type 1 of the kept points only: ``mask (T, M)`` false for padding, never transformed."""
+
+    @jd.abstract
+    def shapes(self, config, points, mask, source):
+        _check_mask(self, mask, points)
+        return _Type1.shapes(self, config, points, source)
+
+    @jd.sharding
+    def partition(self, config, points, mask, source):
+        modes = " ".join(f"n{i}" for i in range(len(self.n_modes)))
+        return jd.ShardingRule(f"c, t m, t m, t b m -> t b {modes}",
+                               replicate=("c",) + tuple(modes.split()), reduce=("m",))
+
+    apply = jd.forward(KERNELS["type1_masked"])
+    apply_t = jd.transpose(KERNELS["type1_masked_transpose"])
+    push = jd.jvp(zeros=True, traceable=True)(_push1_masked)
+    pull = jd.vjp(traceable=True)(_pull1_masked)
+
+    def transposed(self) -> MaskedType2Op:
+        return MaskedType2Op(self.eps, self.iflag, unpack_opts(self.opts, 1, False))
+
+
+class MaskedType2Op(_Type2, jd.Primitive, linear=("source",)):
+    """Type 2 at the kept points only: ``mask (T, M)`` false for padding, whose values are 0."""
+
+    @jd.abstract
+    def shapes(self, config, points, mask, source):
+        _check_mask(self, mask, points)
+        return _Type2.shapes(self, config, points, source)
+
+    @jd.sharding
+    def partition(self, config, points, mask, source):
+        modes = " ".join(f"n{i}" for i in range(len(points)))
+        return jd.ShardingRule(f"c, t m, t m, t b {modes} -> t b m",
+                               replicate=("c",) + tuple(modes.split()))
+
+    apply = jd.forward(KERNELS["type2_masked"])
+    apply_t = jd.transpose(KERNELS["type2_masked_transpose"])
+    push = jd.jvp(zeros=True, traceable=True)(_push2_masked)
+    pull = jd.vjp(traceable=True)(_pull2_masked)
+
+    def transposed(self, n_modes) -> MaskedType1Op:
+        return MaskedType1Op(n_modes, self.eps, self.iflag, unpack_opts(self.opts, 2, False))

@@ -38,16 +38,21 @@ class Layout:
         return jnp.moveaxis(result, self.moved_to, self.moved_from) if self.moved_to else result
 
 
-def flatten(nufft_type: int, values, points: tuple, targets: tuple):
-    """``(layout, points, targets, values)`` in the ops' layout.
+def flatten(nufft_type: int, values, points: tuple, targets: tuple, mask=None):
+    """``(layout, points, targets, values)`` in the ops' layout, or with a `mask`
+    ``(layout, points, targets, values, mask)``.
 
     `points` are the coordinate arrays (x, y, z), `targets` type 3's (s, t, u)
     (empty otherwise); the values' trailing dims are one axis of points
-    (types 1, 3) or the d mode axes (type 2). Raises ValueError naming the
-    shapes that do not broadcast.
+    (types 1, 3) or the d mode axes (type 2). A mask broadcasts and moves as the
+    points do, to ``(T, M)``. Raises ValueError naming the shapes that do not
+    broadcast.
     """
     ndim = len(points)
     core = ndim if nufft_type == 2 else 1
+    masked = mask is not None
+    if masked:
+        points = tuple(points) + (mask,)
     try:
         points = jnp.broadcast_arrays(*points)
         targets = jnp.broadcast_arrays(*targets) if targets else ()
@@ -67,7 +72,8 @@ def flatten(nufft_type: int, values, points: tuple, targets: tuple):
     except ValueError as error:
         raise ValueError(
             f"nufft{nufft_type}: the shapes do not broadcast ({error}): values "
-            f"{tuple(values.shape)}, points {[tuple(p.shape) for p in points]}"
+            f"{tuple(values.shape)}, points {[tuple(p.shape) for p in points[:ndim]]}"
+            + (f", mask {tuple(points[-1].shape)}" if masked else "")
             + (f", targets {[tuple(s.shape) for s in targets]}" if targets else "")
         ) from None
     values = jnp.broadcast_to(values, shape + values.shape[len(lead):])
@@ -83,4 +89,7 @@ def flatten(nufft_type: int, values, points: tuple, targets: tuple):
     values = jnp.reshape(values, (sets, batch) + values.shape[len(shape):])
     points = tuple(jnp.reshape(p, (sets, p.shape[-1])) for p in points)
     targets = tuple(jnp.reshape(s, (sets, s.shape[-1])) for s in targets)
-    return Layout(lead_moved, shared, moved_to if shared else ()), points, targets, values
+    layout = Layout(lead_moved, shared, moved_to if shared else ())
+    if masked:
+        return layout, points[:ndim], targets, values, points[ndim]
+    return layout, points, targets, values
