@@ -169,15 +169,17 @@ readme_leg() {
 }
 
 # slow_leg 3.X: the tests the README's command leaves out as slow (`pytest -m slow`: the
-# benchmarks' smoke runs, the tutorials, the stress tests, jobs of processes that fail, the
-# ecosystem's libraries), in wheel_leg 3.X's environment with the test extra added. Then
+# benchmarks' smoke runs, the tutorials' checks, the stress tests, jobs of processes that
+# fail, the ecosystem's libraries), in wheel_leg 3.X's environment with the test extra added. Then
 # the modules that compare with jax-finufft and JAXbind: neither README leg's Python (3.10,
 # 3.15) installs them, so there those comparisons skip. Last, jax-finufft's own tests and a
 # library's built on it, on contrib.finufft (tools/run-downstream).
 slow_leg() {
     local venv=".venv-cp${1/./}"
     "$venv/bin/pip" install -q "$(wheel_for "$1")[test]"
-    in_tests "$venv" -q -m slow
+    # (every tutorial runs in the docs leg, with its extras, and in the tutorials leg after a
+    # plain install of the newest Python's wheel: not a third time here)
+    in_tests "$venv" -q -m slow --deselect tests/test_tutorials.py::test_tutorial_runs
     in_tests "$venv" -q test_contrib_finufft.py test_contrib_finufft_surface.py \
         test_docs.py -k "jax_finufft or surface or jaxbind"
     bash tools/run-downstream "$venv"
