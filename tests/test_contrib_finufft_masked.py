@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import needs_split
 from helpers_finufft import MODES, random_complex, random_points, reference, relative_error
 from jax.test_util import check_grads
 
@@ -174,6 +175,7 @@ def test_a_mask_that_is_not_bool_is_refused_naming_it():
         nf.nufft1(8, np.ones(4, complex), np.zeros(4), mask=np.ones(3, bool))
 
 
+@needs_split
 def test_sharded_over_the_points_on_host_devices_matches_one_device():
     devices = jax.devices()
     if len(devices) < 2:
