@@ -210,3 +210,31 @@ def test_check_passes_on_the_masked_ops(nufft_type, dim, dtype):
         op = _ops.MaskedType2Op(EPS[dtype], -1, ONE)
         values = random_complex(rng, (sets, batch) + MODES[dim], dtype)
     jd.check(op, op.config, points, mask, values)
+
+
+def test_in_a_scan_under_checkpoint_with_a_mask_per_step():
+    """lax.scan over padded point sets (the mask a scanned operand), under jax.checkpoint and
+    grad: each step is the unpadded call of its kept points."""
+    rng = np.random.default_rng(11)
+    steps = [padded(rng, 1, kept, 16, np.complex128, fill=0.0) for kept in (16, 5, 9)]
+    xs = np.stack([s[0][0] for s in steps])
+    masks = np.stack([s[1] for s in steps])
+    f = random_complex(rng, (8,), np.complex128)
+
+    @jax.checkpoint
+    def step(total, inputs):
+        x, mask = inputs
+        values = nf.nufft2(f, x, eps=1e-12, mask=mask)
+        return total + jnp.sum(jnp.abs(values) ** 2), values
+
+    def loss(x):
+        return jax.lax.scan(step, 0.0, (x, masks))[0]
+
+    want = sum(float(jnp.sum(jnp.abs(nf.nufft2(f, *kept, eps=1e-12)) ** 2))
+               for _, _, kept in steps)
+    assert abs(float(jax.jit(loss)(xs)) - want) < 1e-9 * want
+    grad = np.asarray(jax.grad(loss)(xs))
+    for g, (_, mask, (x_kept,)) in zip(grad, steps):
+        assert (g[~mask] == 0).all()
+        want_g = jax.grad(lambda x: jnp.sum(jnp.abs(nf.nufft2(f, x, eps=1e-12)) ** 2))(x_kept)
+        assert relative_error(g[mask], want_g) < 1e-8
