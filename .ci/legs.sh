@@ -6,6 +6,7 @@ _LEG_RUNNING=""  # the leg under way, and when it started
 _LEG_LOGS=${_LEG_LOGS:-$PWD/.ci-logs}  # what `beside` legs print, and how each ended
 _LANE_LAST=""    # the `beside` leg started last: the next one runs after it
 _LANE_PIDS=()    # their process groups, stopped if the run ends before they do
+declare -A _LANE_PID  # each `beside` leg's process
 _AWAITED=()
 
 # leg NAME COMMAND...: runs one leg and records how long it took and the CPU time its
@@ -52,6 +53,7 @@ beside() {
         mv "$_LEG_LOGS/$name.status.part" "$_LEG_LOGS/$name.status"
     ) &
     _LANE_PIDS+=("$!")
+    _LANE_PID[$name]=$!
     set +m
     printf '\n=== %s (beside the legs below): %s\n' "$name" "${*:2}"
 }
@@ -61,7 +63,14 @@ beside() {
 await() {
     local name status seconds cpu failed=()
     for name in "$@"; do
-        until [ -e "$_LEG_LOGS/$name.status" ]; do sleep 1; done
+        until [ -e "$_LEG_LOGS/$name.status" ]; do
+            # A lane killed from outside (out of memory, say) never writes its status.
+            if ! kill -0 "${_LANE_PID[$name]}" 2>/dev/null && [ ! -e "$_LEG_LOGS/$name.status" ]
+            then
+                echo "died 0 -" >"$_LEG_LOGS/$name.status"
+            fi
+            sleep 1
+        done
         read -r status seconds cpu <"$_LEG_LOGS/$name.status"
         printf '\n=== %s (ran beside the legs above): %s s\n' "$name" "$seconds"
         cat "$_LEG_LOGS/$name.log"

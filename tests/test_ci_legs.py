@@ -88,3 +88,14 @@ leg front bash -c 'exit 4'
     assert "started" in done.stdout
     left = subprocess.run(["pgrep", "-f", "sleep 300"], capture_output=True, text=True)
     assert not left.stdout.strip(), "the lane's processes outlived the run"
+
+
+def test_a_lane_killed_from_outside_fails_the_run_instead_of_hanging(tmp_path):
+    done, rows = run_legs(tmp_path, """
+beside victim sleep 300
+sleep 1
+kill -KILL -- "-${_LANE_PID[victim]}"
+await victim
+""", timeout=30)
+    assert done.returncode != 0
+    assert rows["victim"][2] == "FAILED (died, beside)", rows

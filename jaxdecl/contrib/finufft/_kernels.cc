@@ -17,8 +17,11 @@
 // The masked kernels of types 1 and 2 take a mask (T, M) (bool) after the points: a
 // point whose entry is false is padding, which finufft never sees. Its strength is not
 // read (type 1) and its value is written as zero (type 2); its coordinates are not read,
-// so padding may hold anything, NaN included. Each set's points are gathered first
-// (M' <= M of them), so a padded call costs what the unpadded one does.
+// so padding may hold anything, NaN included. Each set's kept points (M' <= M) are
+// gathered first: a padded call costs the unpadded call's transform and one pass over the
+// padded arrays. (The pool's choice among idle plans fingerprints the whole arrays, the
+// plans their gathered points: a masked call's setpts is skipped only when its plan is the
+// one its points had last.)
 //
 // Plans are kept between calls in one pool, per configuration (precision, type,
 // modes, n_trans, every option). A call checks a plan out, uses it, and gives it
