@@ -6,7 +6,7 @@ _LEG_RUNNING=""  # the leg under way, and when it started
 _LEG_LOGS=${_LEG_LOGS:-$PWD/.ci-logs}  # what `beside` legs print, and how each ended
 _LANE_LAST=""    # the `beside` leg started last: the next one runs after it
 _LANE_PIDS=()    # their process groups, stopped if the run ends before they do
-declare -A _LANE_PID  # each `beside` leg's process
+declare -gA _LANE_PID  # each `beside` leg's process (-g: global where sourced in a function)
 _AWAITED=()
 
 # leg NAME COMMAND...: runs one leg and records how long it took and the CPU time its
