@@ -31,7 +31,7 @@ beside() {
     _LANE_LAST=$name
     mkdir -p "$_LEG_LOGS"
     rm -f "$_LEG_LOGS/$name.status"
-    set -m  # its own process group: a run that fails stops the whole lane
+    set -m  # its own process group where it can: a run that fails stops the whole lane
     (
         trap - EXIT
         set +e
@@ -99,6 +99,23 @@ _children_cpu() {
     fi
 }
 
+# _stop_tree PID: kills a process and everything it started: each is stopped first, parent
+# before children (so none starts another or is handed to init unseen), then all are
+# killed (gloo's processes outlive a TERM). Its process group too, where `set -m` made one
+# (a shell without a terminal may not: the tree is what is sure).
+_stop_tree() {
+    local found=() queue=("$1") pid child
+    while [ ${#queue[@]} -gt 0 ]; do
+        pid=${queue[0]}
+        queue=("${queue[@]:1}")
+        kill -STOP "$pid" 2>/dev/null || continue
+        found+=("$pid")
+        for child in $(ps -o pid= --ppid "$pid" 2>/dev/null); do queue+=("$child"); done
+    done
+    [ ${#found[@]} = 0 ] || kill -KILL "${found[@]}" 2>/dev/null || true
+    kill -KILL -- "-$1" 2>/dev/null || true
+}
+
 _row() {  # NAME SECONDS CPU RESULT
     local seconds=$2
     [[ $seconds =~ ^[0-9]+$ ]] && seconds+=s
@@ -115,10 +132,7 @@ _print_legs() {
     local status=$? pid name total_cpu=0 row
     [ -z "$_LEG_RUNNING" ] || _leg_row "FAILED ($status)"
     for pid in "${_LANE_PIDS[@]}"; do  # a lane still running when the run ends
-        if kill -TERM -- "-$pid" 2>/dev/null; then  # (gloo's processes outlive a TERM)
-            sleep 2
-            kill -KILL -- "-$pid" 2>/dev/null || true
-        fi
+        _stop_tree "$pid"
     done
     for name in $(ls "$_LEG_LOGS" 2>/dev/null | sed -n 's/\.log$//p'); do
         [[ " ${_AWAITED[*]} " == *" $name "* ]] && continue

@@ -80,14 +80,23 @@ leg after true
 
 def test_a_failure_in_the_foreground_stops_the_lane_and_shows_its_output(tmp_path):
     done, rows = run_legs(tmp_path, """
-beside slow bash -c 'echo started; sleep 300'
-leg front bash -c 'exit 4'
+beside slow bash -c 'echo started; sleep 300 & echo $! >sleeper.pid; wait'
+leg front bash -c 'until [ -s sleeper.pid ]; do sleep 0.1; done; exit 4'
 """, timeout=30)  # the lane's sleep would outlast it: the run must stop it
     assert done.returncode == 4
     assert rows["front"][2] == "FAILED (4)" and rows["slow"][2] == "stopped (beside)"
     assert "started" in done.stdout
-    left = subprocess.run(["pgrep", "-f", "sleep 300"], capture_output=True, text=True)
-    assert not left.stdout.strip(), "the lane's processes outlived the run"
+    sleeper = int((tmp_path / "sleeper.pid").read_text())
+    assert not _alive(sleeper), "the lane's processes outlived the run"
+
+
+def _alive(pid: int) -> bool:
+    """Whether the process runs (a zombie that init has yet to reap does not)."""
+    try:
+        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
 
 
 def test_a_lane_killed_from_outside_fails_the_run_instead_of_hanging(tmp_path):
