@@ -5,8 +5,9 @@ _LEG_STARTED=$SECONDS
 _LEG_RUNNING=""  # the leg under way, and when it started
 _LEG_LOGS=${_LEG_LOGS:-$PWD/.ci-logs}  # what `beside` legs print, and how each ended
 _LANE_LAST=""    # the `beside` leg started last: the next one runs after it
-_LANE_PIDS=()    # their process groups, stopped if the run ends before they do
-declare -gA _LANE_PID  # each `beside` leg's process (-g: global where sourced in a function)
+# each `beside` leg's process, stopped if the run ends before it (-g: global where sourced
+# in a function)
+declare -gA _LANE_PID
 _AWAITED=()
 
 # leg NAME COMMAND...: runs one leg and records how long it took and the CPU time its
@@ -52,7 +53,6 @@ beside() {
             >"$_LEG_LOGS/$name.status.part"
         mv "$_LEG_LOGS/$name.status.part" "$_LEG_LOGS/$name.status"
     ) &
-    _LANE_PIDS+=("$!")
     _LANE_PID[$name]=$!
     set +m
     printf '\n=== %s (beside the legs below): %s\n' "$name" "${*:2}"
@@ -131,10 +131,10 @@ _leg_row() {
 _print_legs() {
     local status=$? pid name total_cpu=0 row
     [ -z "$_LEG_RUNNING" ] || _leg_row "FAILED ($status)"
-    for pid in "${_LANE_PIDS[@]}"; do  # a lane still running when the run ends
+    for pid in "${_LANE_PID[@]}"; do  # a lane still running when the run ends
         _stop_tree "$pid"
     done
-    for name in $(ls "$_LEG_LOGS" 2>/dev/null | sed -n 's/\.log$//p'); do
+    for name in "${!_LANE_PID[@]}"; do
         [[ " ${_AWAITED[*]} " == *" $name "* ]] && continue
         printf '\n=== %s (beside, not awaited): the end of its output\n' "$name"
         tail -n 40 "$_LEG_LOGS/$name.log"
