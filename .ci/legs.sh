@@ -137,7 +137,7 @@ _print_legs() {
     for name in "${!_LANE_PID[@]}"; do
         [[ " ${_AWAITED[*]} " == *" $name "* ]] && continue
         printf '\n=== %s (beside, not awaited): the end of its output\n' "$name"
-        tail -n 40 "$_LEG_LOGS/$name.log"
+        tail -n 40 "$_LEG_LOGS/$name.log" 2>/dev/null || echo "(it printed nothing)"
         _LEG_ROWS+=("$(_row "$name" - - "stopped (beside)")")
     done
     printf '\n%-10s %7s %6s  %s\n' leg seconds cpu-s result

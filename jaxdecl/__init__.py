@@ -22,6 +22,7 @@ Example:
 import os as _os
 
 from . import _compat
+from ._callback import pure_callback
 from ._check import check
 from ._declare import Primitive, PrimitiveMeta, primitive
 from ._dtypes import SUPPORTED as _SUPPORTED
@@ -69,4 +70,5 @@ __all__ = [
     "CFunction", "include_dir",
     "SUPPORTED_DTYPES", "DeclarationError",
     "MissingRuleError", "RuleError", "BufferEscapeError", "ExportError", "disabled_checks",
+    "pure_callback",
 ]

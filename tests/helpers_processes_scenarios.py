@@ -258,6 +258,9 @@ def failure(how: str) -> dict:
     else:
         bad[2 * LOCAL:4 * LOCAL, 0] = 5  # every row of process 1
     print(json.dumps({"failing_at": time.time()}), flush=True)
+    # Every process has printed before process 1 can fail: without this, a process still
+    # finishing the warm call's collective when process 1 fails is ended before it prints.
+    multihost_utils.sync_global_devices("failure")
     if how == "local":
         if PROCESS == 1:
             try:

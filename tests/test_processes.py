@@ -91,7 +91,8 @@ def _failure(how):
     ended = _job(f"failure={how}", JAXDECL_FAILURE_GRACE_SECONDS=str(GRACE))
     starts = [json.loads(line)["failing_at"] for process in ended
               for line in process.stdout.splitlines() if line.startswith('{"failing_at"')]
-    assert len(starts) == PROCESSES, [p.stdout[-500:] + p.stderr[-1500:] for p in ended]
+    assert len(starts) == PROCESSES, [(p.process, p.returncode, p.stdout[-500:],
+                                       p.stderr[-1500:]) for p in ended]
     return ended, max(starts)
 
 

@@ -231,7 +231,10 @@ def _anchor(instance, handle: OpHandle, values) -> None:
     # Only values that cannot refer back to the instance are remembered (a bound
     # method of the op would keep it alive for good); other configurations take
     # the slow path each time.
-    simple = values is not None and all(_simple(v) for v in values.values())
+    # (A class may vouch for its instances, as jd.pure_callback's ops do: their attributes
+    # are set once, in __init__, and none refers back to the op.)
+    simple = values is not None and (getattr(type(instance), "_jaxdecl_fixed_", False)
+                                     or all(_simple(v) for v in values.values()))
     # The class, when its instances' __dict__ is their whole configuration: then
     # handle_of reads that dict directly (see attributes).
     cls = type(instance)
