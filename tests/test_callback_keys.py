@@ -111,13 +111,14 @@ def test_distinct_lambdas_leave_no_kernels_behind(how):
             np.testing.assert_array_equal(y, X * i)
         refs.append(weakref.ref(f))
         del f, c, y
+    _collect()
+    # (other tests' ops may be alive too: only this test's are counted)
     assert _dispatch.kernel_count() - kernels <= _callback.RECENT
-    assert len(_callback._alive) <= _callback.RECENT + 1
+    assert sum(r() is not None for r in refs) <= _callback.RECENT
     _callback.clear()
     _collect()
     assert sum(r() is not None for r in refs) == 0
-    assert _dispatch.kernel_count() == kernels
-    assert not _callback._alive
+    assert _dispatch.kernel_count() <= kernels
 
 
 def test_a_compiled_program_outlives_its_callback():

@@ -461,6 +461,66 @@ class MulZInto(jd.Primitive):
             np.multiply(2 * x * y, ct, out=ct_y)
 
 
+# jd.pure_callback, as jax.pure_callback users write it: the value from a callback, the
+# derivatives from jax.custom_jvp around it (a tangent rule of callback-computed partials
+# times the tangents in jax.numpy, which JAX also transposes for reverse mode).
+
+
+def _np_xsiny(x, y):
+    return x * np.sin(y)
+
+
+def _np_xsiny_partials(x, y):
+    return np.sin(y), x * np.cos(y)
+
+
+@jax.custom_jvp
+def callback_xsiny(x, y):
+    """(g) jd.pure_callback, vmap_method="sequential": x * sin(y)."""
+    x, y = jnp.asarray(x), jnp.asarray(y)
+    result = jax.ShapeDtypeStruct(jnp.broadcast_shapes(x.shape, y.shape), jnp.result_type(x, y))
+    return jd.pure_callback(_np_xsiny, result, x, y, vmap_method="sequential")
+
+
+@callback_xsiny.defjvp
+def _callback_xsiny_jvp(primals, tangents):
+    x, y = primals
+    dx, dy = tangents
+    out = callback_xsiny(x, y)
+    partials = jd.pure_callback(_np_xsiny_partials, (_same(out), _same(out)),
+                                jnp.asarray(x), jnp.asarray(y), vmap_method="sequential")
+    return out, partials[0] * dx + partials[1] * dy
+
+
+def _np_affine(x, *, scale, shift):
+    return {"y": np.sin(x) * scale + shift, "z": x * shift}
+
+
+def _np_affine_partials(x):
+    return np.cos(x), np.sin(x)
+
+
+@jax.custom_jvp
+def callback_affine(x, params):
+    """(h) jd.pure_callback with a pytree of keyword arguments, vmap_method="expand_dims":
+    {"y": sin(x) * scale + shift, "z": x * shift}, as AffineSin."""
+    x = jnp.asarray(x)
+    return jd.pure_callback(_np_affine, {"y": _same(x), "z": _same(x)}, x,
+                            vmap_method="expand_dims", scale=jnp.asarray(params["scale"]),
+                            shift=jnp.asarray(params["shift"]))
+
+
+@callback_affine.defjvp
+def _callback_affine_jvp(primals, tangents):
+    (x, params), (dx, dparams) = primals, tangents
+    out = callback_affine(x, params)
+    x = jnp.asarray(x)
+    cos, sin = jd.pure_callback(_np_affine_partials, (_same(x), _same(x)), x,
+                                vmap_method="expand_dims")
+    return out, {"y": cos * params["scale"] * dx + sin * dparams["scale"] + dparams["shift"],
+                 "z": dx * params["shift"] + x * dparams["shift"]}
+
+
 # ---------------------------------------------------------------------------
 # Forms: an op, its reference and example inputs
 # ---------------------------------------------------------------------------
@@ -556,6 +616,13 @@ FORMS = {
     "zeros": Form(
         _shared("zeros"), lambda x, y: x * y**2, _pair((2, 3)), ("x", "y"), (0, 1),
         ("float32", "float64", "complex128"), (None, 1), _python_scalars),
+    "pure_callback": Form(
+        lambda: callback_xsiny, lambda x, y: x * jnp.sin(y), _pair((3,)), ("x", "y"), (0, 1),
+        ("float32", "float64", "complex128"), (0, None), _python_scalars),
+    "pure_callback_pytree": Form(
+        lambda: callback_affine, affine_sin_ref, _affine_args, ("x", "params"), (0, 1),
+        ("float32", "float64", "complex128"), (0, {"scale": None, "shift": 0}),
+        _python_scalars),
 }
 
 _ARANGE = {dtype: Arange(dtype) for dtype in FORMS["no_inputs"].dtypes}
