@@ -394,3 +394,14 @@ def test_64_bit_results_become_32_bit_without_x64(x64_off):
 def test_with_x64_a_float64_result_for_float32_is_an_error():
     with pytest.raises(RuntimeError, match="dtype float64 where .* declares float32"):
         jd.pure_callback(lambda: 2.5, jax.ShapeDtypeStruct((), np.float32))
+
+
+def test_sharding_names_one_device_as_jax_requires():
+    x = jnp.arange(4.0)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+    for one in (jax.sharding.SingleDeviceSharding(jax.devices()[0]),
+                jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())):
+        np.testing.assert_allclose(jax.jit(lambda v, one=one: jd.pure_callback(
+            np.sin, spec(v), v, sharding=one))(x), np.sin(np.arange(4.0)))
+    with pytest.raises(NotImplementedError, match="only supports SingleDeviceSharding"):
+        jd.pure_callback(np.sin, spec(x), x, sharding="cpu:0")

@@ -121,6 +121,23 @@ def test_distinct_lambdas_leave_no_kernels_behind(how):
     assert _dispatch.kernel_count() <= kernels
 
 
+@pytest.mark.slow
+def test_a_hundred_thousand_distinct_lambdas_leave_no_kernels_behind():
+    _callback.clear()
+    _collect()
+    kernels = _dispatch.kernel_count()
+    most = 0
+    for i in range(100_000):
+        y = jd.pure_callback(_scaled(np.float64(i)), S, X)
+        if i % 10_000 == 0:
+            np.testing.assert_array_equal(y, X * i)
+            most = max(most, _dispatch.kernel_count() - kernels)
+    assert most <= _callback.RECENT + 1
+    _callback.clear()
+    _collect()
+    assert _dispatch.kernel_count() <= kernels
+
+
 def test_a_compiled_program_outlives_its_callback():
     def make():
         c = np.float64(4.0)

@@ -82,6 +82,8 @@ def pure_callback(callback, result_shape_dtypes, *args, sharding=None, vmap_meth
     if vmap_method not in _ALLOWED_SET:
         raise ValueError(f"vmap_method must be on of the allowed methods {_ALLOWED}, but got: "
                          f"{vmap_method}")
+    if sharding is not None:
+        _check_sharding(sharding)
     leaves = args  # (the common case: arrays, no keywords; a pytree costs a microsecond)
     if kwargs:
         leaves, in_tree = _flatten((args, kwargs))
@@ -165,6 +167,15 @@ def _forget(key) -> None:
         ref = _alive.get(key)
         if ref is not None and ref() is None:
             del _alive[key]
+
+
+def _check_sharding(sharding) -> None:
+    """JAX's rule: a callback runs on one device, so its `sharding` names one."""
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding) or (
+            isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size == 1):
+        return
+    raise NotImplementedError(
+        f"pure_callback only supports SingleDeviceSharding, but got {type(sharding)}")
 
 
 class _Named:
