@@ -21,7 +21,6 @@ Example:
 from __future__ import annotations
 
 import collections
-import functools
 import inspect
 import threading
 import weakref
@@ -93,7 +92,7 @@ def pure_callback(callback, result_shape_dtypes, *args, sharding=None, vmap_meth
                 leaves, in_tree = _flatten((args, kwargs))
                 break
         else:
-            in_tree = _positional(len(args))
+            in_tree = ops.positional_tree(len(args))
     op = op_for(callback, result_shape_dtypes, vmap_method, sharding, in_tree)
     if not op.results:
         # A pure function without results changes nothing: never run (as under jit,
@@ -108,19 +107,13 @@ _ShapeDtypeStruct = jax.ShapeDtypeStruct
 _ARRAY_TYPES = (jax.Array, np.ndarray)
 
 
-@functools.lru_cache(maxsize=64)
-def _positional(count: int):
-    """The structure of `count` positional arrays and no keywords."""
-    return _flatten((tuple(range(count)), {}))[1]
-
-
 def op_for(callback, result_shape_dtypes, vmap_method=None, sharding=None,
            in_tree=None) -> ops.PureCallback:
     """The op that calls `callback` with arguments of structure `in_tree` (by default
     one array) for these results: one made earlier for the same callback
     (:mod:`jaxdecl._callback.keys`) where one is alive, else a new one."""
     if in_tree is None:
-        in_tree = _flatten(((0,), {}))[1]
+        in_tree = ops.positional_tree(1)
     callable_key = keys.key_of(callback)
     x64 = jax.config.jax_enable_x64
     if type(result_shape_dtypes) is _ShapeDtypeStruct:  # (the common case: no flattening)

@@ -34,6 +34,7 @@ jaxdecl's kernels are shared between them.
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 import threading
@@ -71,7 +72,7 @@ class PureCallback(_declare.Primitive):
         self.sharding = sharding
         self.name = keys.describe(callback)
         self._key = keys.key_of(callback) if key is None else key
-        self._positional = in_tree == _positional_tree(in_tree.num_leaves)
+        self._positional = in_tree == positional_tree(in_tree.num_leaves)
         self._hash = hash((type(self), self._key, in_tree, tree, structs, vmap_method,
                            sharding))
 
@@ -150,8 +151,10 @@ class PureCallback(_declare.Primitive):
             f"jd.Primitive class with @jd.jvp / @jd.vjp rules")
 
 
-def _positional_tree(n: int):
-    return jax.tree_util.tree_structure((tuple(range(n)), {}))
+@functools.lru_cache(maxsize=64)
+def positional_tree(count: int):
+    """The structure of `count` positional arrays and no keywords."""
+    return jax.tree_util.tree_structure((tuple(range(count)), {}))
 
 
 def _unnamed(callback) -> str:
