@@ -87,9 +87,12 @@ def outcome(seed: int, verbose: bool = False, twin_done=lambda: None,
     """(outcome, detail) of draw `seed` (over `geometry`'s devices); `verbose` prints
     tracebacks as they happen; `twin_done` is called between the twin's run and the
     program's; `hooks` replace names the program uses (``call(function, *args)``, which
-    runs the transformed program, and ``place``) in the program's run, not the twin's."""
+    runs the transformed program, and ``place``) in the program's run, not the twin's,
+    except ``twin_call``: the twin's ``call`` (an exported program's twin runs jitted)."""
     drawn = draw(seed, geometry)
-    namespace = dict(vars(ops_module), call=lambda function, *args: function(*args))
+    hooks = dict(hooks or {})
+    namespace = dict(vars(ops_module), call=hooks.pop(
+        "twin_call", lambda function, *args: function(*args)))
     exec(compile(drawn.source, f"<program {seed}>", "exec"), namespace)
     program = namespace["run"]
     with warnings.catch_warnings():
@@ -104,7 +107,7 @@ def outcome(seed: int, verbose: bool = False, twin_done=lambda: None,
         if ops_module.out_of_range(expected):
             return "skip", "the twin's values overflow: no meaningful comparison"
         twin_done()
-        namespace.update(hooks or {})
+        namespace.update(hooks)
         try:
             out = _run(program, ops_module.OPS)
             problems = ops_module.compare(out, expected, specs=drawn.specs, rtol=drawn.rtol,

@@ -96,11 +96,11 @@ TRANSFORMS = {"jit": 20, "grad": 14, "vmap": 14, "shard_map": 10, "jvp": 8, "vjp
               "scan": 8, "linearize": 7, "checkpoint": 6}
 DERIVATIVES = ("grad", "jvp", "vjp", "linearize")
 ONCE = ("jit", "shard_map", "scan", "checkpoint")  # at most once per draw
-OPS = ("Quad", "Mul", "Tanh", "SinRes", "Scale", "MatVec", "CumSum", "Wave", "MulZ")
+OPS = ("Quad", "Mul", "Tanh", "SinRes", "Scale", "MatVec", "CumSum", "Wave", "MulZ", "Expm1")
 LINEAR = ("Scale", "MatVec", "CumSum", "Wave")  # every order of derivative works
 PAIRED = ("Mul", "Wave", "MulZ")  # two inputs of one kind and dtype
 CONFIGS = {"Quad": ("0.1", "0.2", "0.3"), "Scale": ("2.0", "-0.5", "3.0"),
-           "Tanh": ("1.0", "0.5", "2.0")}
+           "Tanh": ("1.0", "0.5", "2.0"), "Expm1": ("0.5", "-0.25", "1.0")}
 ARGS = "abc"
 PLACEMENTS = ("aligned", "random", "replicated", "unsharded")
 
@@ -157,7 +157,7 @@ def _choices(x: _Value, values: list, rank: int, scans: tuple, linear: bool) -> 
     values whose last dim CumSum may need whole (under Explicit axes JAX's cumsum, the
     twin, refuses a split one)."""
     vectors = [v for v in values if v.kind == "last" and v.dtype == x.dtype]
-    choices = ["Quad", "Mul", "Tanh", "SinRes", "Scale", "Wave", "MulZ"]
+    choices = ["Quad", "Mul", "Tanh", "SinRes", "Scale", "Wave", "MulZ", "Expm1"]
     if x.dtype != "complex128":
         choices += ["CumSum"] if x.kind in scans else []
         if x.kind == "full" and rank == 2 and vectors:

@@ -15,7 +15,9 @@ blocks (``jax.make_array_from_process_local_data``), and every rule call is reco
 ``jax.export`` saved it: process 0 exports the transformed program into DIR, and every
 process loads and calls it. One JSON line per draw: ``{"seed", "outcome", "detail",
 "seconds", "seen"}``, plus ``"export"``, ``"export_detail"`` and ``"seen_export"``
-with ``--export``; ``seen`` lists ``[rule, shapes, calls]``.
+with ``--export``; ``seen`` lists ``[rule, shapes, calls]`` (a call on this process's
+own arrays only counts 1/P: see ``_weight``). The exported run's twin runs under
+``jax.jit`` too, so that both results are placed as a compiled program places them.
 """
 
 from __future__ import annotations
@@ -58,22 +60,44 @@ from helpers_programs_draw import Geometry  # noqa: E402
 import jaxdecl as jd  # noqa: E402
 from jaxdecl import _compat  # noqa: E402
 from jaxdecl._host import kernels as _kernels  # noqa: E402
+from jaxdecl._transforms import eager as _eager  # noqa: E402
 
 GEOMETRY = Geometry(_processes, jax.local_device_count() if JOB else _local)
 SEEN: collections.Counter = collections.Counter()
 _make_kernel = _kernels.make_kernel
+_eager_run = _eager.run
+#: The weight of the rule call now running: 1, or 1/P for an eager call on this
+#: process's own arrays only. Such a value (the seed cotangent of an eager ``grad``, a
+#: jnp array no ``place`` laid out) exists in every process, and every process computes
+#: with it: its call runs P times in a job where one process over as many devices runs it
+#: once. Weighted so, the calls of all processes add up to the one process's.
+_weight = 1
 
 
 def _recording_kernel(function, *, context, **options):
     """jaxdecl's kernel of a rule, recording each call's arrays' shapes in SEEN."""
     def recorded(*args, **kwargs):
-        SEEN[(context, tuple(tuple(a.shape) for a in args if isinstance(a, np.ndarray)))] += 1
+        SEEN[(context, tuple(tuple(a.shape) for a in args if isinstance(a, np.ndarray)))] += \
+            _weight
         return function(*args, **kwargs)
 
     return _make_kernel(recorded, context=context, **options)
 
 
+def _recording_run(call, operands):
+    """jaxdecl's eager run, setting the weight of the rule calls it makes (it blocks)."""
+    global _weight
+    before = _weight
+    if JOB is not None and all(getattr(x, "is_fully_addressable", True) for x in operands):
+        _weight = 1 / _processes
+    try:
+        return _eager_run(call, operands)
+    finally:
+        _weight = before
+
+
 _kernels.make_kernel = _recording_kernel  # before any kernel is built
+_eager.run = _recording_run  # (the eager path looks it up at each call)
 
 
 def place(value, mesh, spec):
@@ -144,7 +168,8 @@ def main() -> None:
         result, detail, seen = _run(seed, {"place": place})
         line = {"seed": seed, "outcome": result, "detail": detail, "seen": seen}
         if folder is not None:
-            hooks = {"place": place, "call": exported_call(seed, folder)}
+            hooks = {"place": place, "call": exported_call(seed, folder),
+                     "twin_call": lambda function, *args: jax.jit(function)(*args)}
             line["export"], line["export_detail"], line["seen_export"] = _run(seed, hooks)
         line["seconds"] = round(time.perf_counter() - start, 3)
         print(json.dumps(line), flush=True)

@@ -26,7 +26,10 @@ The ops, one per way of declaring one (all with NumPy rules):
 - ``Wave()``: c · sin(x), partly linear (``linear=("c",)``, a NumPy ``@transpose``), its
   traceable ``@jvp(zeros=True)`` calling the op itself: every order of derivative;
 - ``MulZ()``: x1 · x2² with a ``@jvp(zeros=True)`` and a ``@vjp`` taking ``wanted``
-  (NumPy rules: each derivative carries only the tangents and cotangents it needs).
+  (NumPy rules: each derivative carries only the tangents and cotangents it needs);
+- ``Expm1(c)``: expm1(c x) through ``jd.pure_callback`` (``vmap_method="sequential"``),
+  its derivative from a ``jax.custom_jvp`` whose tangent is a second callback's exp(c x)
+  times the tangent, as ``jax.pure_callback`` users write it.
 """
 
 from __future__ import annotations
@@ -230,6 +233,41 @@ class MulZ(jd.Primitive, sharding="... n, ... n -> ... n"):
         return (x2 ** 2 * ct if wanted[0] else None), (2 * x1 * x2 * ct if wanted[1] else None)
 
 
+def _np_expm1(x, c):
+    return np.expm1(c * x)
+
+
+def _np_exp(x, c):
+    return np.exp(c * x)
+
+
+def _callback_expm1(c):
+    @jax.custom_jvp
+    def expm1(x):
+        return jd.pure_callback(_np_expm1, _same(x), x, np.asarray(c, x.dtype),
+                                vmap_method="sequential")
+
+    @expm1.defjvp
+    def _(primals, tangents):
+        (x,), (dx,) = primals, tangents
+        grow = jd.pure_callback(_np_exp, _same(x), x, np.asarray(c, x.dtype),
+                                vmap_method="sequential")
+        return expm1(x), c * grow * dx
+
+    return expm1
+
+
+class Expm1:
+    """Not a class of jaxdecl's: a function calling ``jd.pure_callback``."""
+
+    def __init__(self, c=0.5):
+        self.c = c
+        self._call = _callback_expm1(c)
+
+    def __call__(self, x):
+        return self._call(x)
+
+
 class _Twin:
     """A jax.numpy twin: the op's constructor, and ``__call__`` computing its function."""
 
@@ -279,11 +317,16 @@ class WaveTwin(_Twin):
         return c * jnp.sin(x)
 
 
+class Expm1Twin(_Twin):
+    def __call__(self, x):
+        return jnp.expm1((self.config[0] if self.config else 0.5) * x)
+
+
 OPS = types.SimpleNamespace(Quad=Quad, Mul=Mul, Tanh=Tanh, SinRes=SinRes, Scale=Scale,
-                            MatVec=MatVec, CumSum=CumSum, Wave=Wave, MulZ=MulZ)
+                            MatVec=MatVec, CumSum=CumSum, Wave=Wave, MulZ=MulZ, Expm1=Expm1)
 TWINS = types.SimpleNamespace(Quad=QuadTwin, Mul=MulTwin, Tanh=TanhTwin, SinRes=SinResTwin,
                               Scale=ScaleTwin, MatVec=MatVecTwin, CumSum=CumSumTwin,
-                              Wave=WaveTwin, MulZ=MulTwin)
+                              Wave=WaveTwin, MulZ=MulTwin, Expm1=Expm1Twin)
 
 
 # ---------------------------------------------------------------------------------------

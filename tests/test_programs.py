@@ -259,7 +259,7 @@ def _digest(seeds) -> str:
 def test_every_op_kind_takes_a_split_scan_carry_under_explicit_axes():
     """Each op kind is the first op on a ``lax.scan`` carry split over Explicit mesh
     axes: the step's new carry must keep that type (JAX refuses the scan otherwise)."""
-    explicit = [s for s in range(800) if "split_carry" in draw(s).features
+    explicit = [s for s in range(1200) if "split_carry" in draw(s).features
                 and {"mesh:explicit-1d", "mesh:explicit-2d"} & draw(s).features]
     wanted = {f"scan_carry:{op}" for op in OPS}
     assert wanted <= _features(explicit), sorted(wanted - _features(explicit))

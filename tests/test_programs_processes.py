@@ -8,10 +8,13 @@ a job (``helpers_programs_jobs.py``, started by ``helpers_processes.run_job``):
   every transform the draw nests (jit, grad, vmap, scan, shard_map, ..., or none: eager
   calls on global arrays, made from each process's own blocks);
 - the same program exported by process 0 (``jax.export``) and run by every process
-  equals it too;
+  equals it too (its twin jitted, so that both results lie where a compiled program puts
+  them);
 - each process's rules run on its own blocks only: the rule calls of all processes
   together (each rule and the shapes it saw) are exactly those of the same draws run in
-  one process over as many devices;
+  one process over as many devices (an eager call on values each process holds for
+  itself, such as an eager ``grad``'s seed cotangent, runs in each of the P processes,
+  and counts 1/P in each);
 - every process ends by itself, with status 0, within the job's bound (else the job's
   processes are killed and the test fails).
 
