@@ -276,9 +276,56 @@ def failure(how: str) -> dict:
     return checks
 
 
+def callback_device() -> dict:
+    """``jd.pure_callback`` under ``jit`` on rows split over every device, Auto and
+    Explicit axes: without ``sharding=`` the callback runs once, where the mesh's first
+    device is (vmapped: each device on its own rows); with ``sharding=`` naming the last
+    device, only there (its process), on every row."""
+    checks = {}
+    x = values((ROWS, 6))
+    calls = []
+
+    def sine(v):
+        calls.append(v.shape)
+        return np.sin(v)
+
+    last = DEVICES[-1]
+    for kind in ("Auto", "Explicit"):
+        mesh = mesh_of(DEVICES, kind)
+        xs = global_array(x, mesh, P("d"))
+        for where, sharding in (("first", None), ("last", jax.sharding.SingleDeviceSharding(last))):
+            for vmapped in (False, True):
+                def one(v, sharding=sharding):
+                    return jd.pure_callback(sine, jax.ShapeDtypeStruct(v.shape, v.dtype), v,
+                                            sharding=sharding, vmap_method="sequential")
+
+                f = jax.jit(jax.vmap(one) if vmapped else one)
+                name = f"{kind} {where}{' vmap' if vmapped else ''}"
+                calls.clear()
+                try:
+                    got = f(xs)
+                    jax.block_until_ready(got)
+                except Exception as error:  # noqa: BLE001 - reported to the test
+                    checks[name] = f"raised {type(error).__name__}: {str(error)[:300]}"
+                    continue
+                checks[f"{name}: value"] = close(got, np.sin(x))
+                if kind == "Explicit" and not _compat.EXPLICIT_REDUCTIONS:
+                    # (before JAX 0.9 every device runs it on the gathered operands)
+                    want = [(6,) if vmapped else (ROWS, 6)] * (ROWS if vmapped else 1) * LOCAL
+                elif sharding is not None:
+                    want = [(6,) if vmapped else (ROWS, 6)] * (ROWS if vmapped else 1)
+                    want *= last.process_index == PROCESS
+                elif vmapped:  # an op without a declaration splits the vmapped rows
+                    want = [(6,)] * (2 * LOCAL)
+                else:
+                    want = [(ROWS, 6)] * holds_first(mesh)
+                checks[f"{name}: calls"] = same(calls, want)
+    return checks
+
+
 SCENARIOS = {"eager_meshes": eager_meshes, "undeclared_layout": undeclared_layout,
              "export_plan": export_plan, "outputs_and_pytrees": outputs_and_pytrees,
-             "failure": failure}
+             "callback_device": callback_device, "failure": failure}
 
 
 def main(argv) -> None:

@@ -405,3 +405,70 @@ def test_sharding_names_one_device_as_jax_requires():
             np.sin, spec(v), v, sharding=one))(x), np.sin(np.arange(4.0)))
     with pytest.raises(NotImplementedError, match="only supports SingleDeviceSharding"):
         jd.pure_callback(np.sin, spec(x), x, sharding="cpu:0")
+
+
+def _counted(calls):
+    def sine(v):
+        calls.append(v.shape)
+        return np.sin(v)
+    return sine
+
+
+@pytest.mark.parametrize("kind", ["Auto", "Explicit"])
+@pytest.mark.parametrize("vmapped", [False, True], ids=["whole", "vmap"])
+def test_sharding_runs_the_call_once_on_that_device_over_a_mesh(kind, vmapped):
+    """Under jit over rows split on every device, sharding= makes the one device it names
+    run the callback, on every row (which device: test_processes, one process per device
+    group); the values reach every device."""
+    devices = jax.devices()
+    mesh = jax.sharding.Mesh(np.array(devices), ("d",),
+                             axis_types=(getattr(jax.sharding.AxisType, kind),))
+    x = np.arange(4.0 * len(devices) * 3).reshape(2 * len(devices), -1) / 7
+    xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
+    calls = []
+    one = jax.sharding.SingleDeviceSharding(devices[-1])
+
+    def f(v):
+        return jd.pure_callback(_counted(calls), spec(v), v, sharding=one,
+                                vmap_method="sequential")
+
+    got = jax.jit(jax.vmap(f) if vmapped else f)(xs) + 1
+    np.testing.assert_allclose(got, np.sin(x) + 1, rtol=1e-15)
+    # (before JAX 0.9 a program over Explicit axes cannot sum from one device: every
+    # device runs the callback, as an op without a declaration runs there)
+    everywhere = kind == "Explicit" and not jd._compat.EXPLICIT_REDUCTIONS
+    assert calls == ([x.shape[1:]] * x.shape[0] if vmapped else [x.shape]) * \
+        (len(devices) if everywhere else 1)
+
+
+def test_an_eager_call_with_sharding_runs_on_that_device():
+    device = jax.devices()[-1]
+    calls = []
+    y = jd.pure_callback(_counted(calls), spec(jnp.ones(3)), jnp.arange(3.0),
+                         sharding=jax.sharding.SingleDeviceSharding(device))
+    assert y.sharding.device_set == {device} and calls == [(3,)]
+    np.testing.assert_allclose(y, np.sin(np.arange(3.0)))
+
+
+def test_sharding_on_a_device_the_program_lacks_is_a_value_error_naming_both():
+    first, last = jax.devices()[0], jax.devices()[-1]
+    x = jax.device_put(jnp.arange(3.0), first)
+    for lib in (jax, jd):  # JAX's type, with a message that says what is wrong
+        with pytest.raises(ValueError) as raised:
+            jax.jit(lambda v, lib=lib: lib.pure_callback(
+                np.sin, spec(v), v, sharding=jax.sharding.SingleDeviceSharding(last)))(x)
+    assert "jd.pure_callback(numpy.sin)" in str(raised.value)
+    assert f"specifies device {last}" in str(raised.value)
+    assert str(first) in str(raised.value)
+
+
+def test_sharding_inside_shard_map_is_not_implemented_as_in_jax():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+    P = jax.sharding.PartitionSpec
+    xs = jax.device_put(jnp.arange(4.0), jax.sharding.NamedSharding(mesh, P("d")))
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    for lib in (jax, jd):
+        mapped = jd._compat.shard_map(lambda v, lib=lib: lib.pure_callback(
+            np.sin, spec(v), v, sharding=one), mesh, in_specs=(P("d"),), out_specs=P("d"))
+        with pytest.raises(NotImplementedError, match="specifying sharding inside spmd"):
+            jax.jit(mapped)(xs)

@@ -44,7 +44,7 @@ def _checks(*args, **variables) -> dict:
 @pytest.fixture(scope="module")
 def per_shard(tmp_path_factory):
     """The checks of the scenarios that run without errors, in one job."""
-    scenarios = ["eager_meshes"]
+    scenarios = ["eager_meshes", "callback_device"]
     if SPLITS:
         scenarios += ["undeclared_layout", f"export_plan={tmp_path_factory.mktemp('export')}",
                       f"outputs_and_pytrees={tmp_path_factory.mktemp('outputs')}"]
@@ -63,6 +63,12 @@ def test_eager_calls_follow_each_mesh_across_processes(per_shard):
     devices in reverse order), over Auto and Explicit axes, declared or not: values, the
     results' mesh, and the blocks each process's rules ran on."""
     _passed(per_shard, "eager_meshes")
+
+
+def test_a_callback_runs_once_on_its_device_across_processes(per_shard):
+    """jd.pure_callback under jit on split rows: once, in the process of the mesh's first
+    device, or of the device its sharding= names; vmapped too; Auto and Explicit axes."""
+    _passed(per_shard, "callback_device")
 
 
 @needs_split

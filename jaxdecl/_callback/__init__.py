@@ -28,6 +28,7 @@ import weakref
 import jax
 import numpy as np
 
+from .. import _compat
 from . import keys, ops, results
 
 __all__ = ["pure_callback", "CallbackResultError", "CallbackDerivativeError"]
@@ -63,7 +64,9 @@ def pure_callback(callback, result_shape_dtypes, *args, sharding=None, vmap_meth
     arrays) and returns a pytree of arrays matching `result_shape_dtypes`
     (leaves with ``shape`` and ``dtype``); `vmap_method` says how ``vmap``
     reaches it (``"sequential"``, ``"sequential_unrolled"``, ``"expand_dims"``,
-    ``"broadcast_all"``, ``"legacy_vectorized"``, or None to refuse ``vmap``).
+    ``"broadcast_all"``, ``"legacy_vectorized"``, or None to refuse ``vmap``);
+    `sharding` (one device) is where the call runs, inside a program over many
+    devices too (:mod:`jaxdecl._transforms.one_device`).
     It has no derivatives: wrap it in ``jax.custom_jvp``/``custom_vjp`` as with
     ``jax.pure_callback``.
 
@@ -94,6 +97,8 @@ def pure_callback(callback, result_shape_dtypes, *args, sharding=None, vmap_meth
         else:
             in_tree = ops.positional_tree(len(args))
     op = op_for(callback, result_shape_dtypes, vmap_method, sharding, in_tree)
+    if sharding is not None and _compat.not_tracing():
+        leaves = _onto_device(leaves, sharding)  # (traced, the lowering places the call)
     if not op.results:
         # A pure function without results changes nothing: never run (as under jit,
         # where XLA drops such a call), and jaxdecl's ops have at least one result.
@@ -160,6 +165,14 @@ def _forget(key) -> None:
         ref = _alive.get(key)
         if ref is not None and ref() is None:
             del _alive[key]
+
+
+def _onto_device(leaves, sharding):
+    """The arguments, on the one device of `sharding`, where the call then runs (as a
+    compiled program runs it there)."""
+    device = next(iter(sharding.device_set))
+    return [x if isinstance(x, jax.Array) and x.sharding.device_set == {device}
+            else jax.device_put(x, device) for x in leaves]
 
 
 def _check_sharding(sharding) -> None:

@@ -88,6 +88,12 @@ class PureCallback(_declare.Primitive):
     def __hash__(self):
         return self._hash
 
+    @property
+    def _jaxdecl_one_device_(self):
+        """The sharding naming the one device a program runs the call on (or None: the
+        plan of an op without a declaration), read by the lowering."""
+        return self.sharding
+
     def __repr__(self):
         return f"jd.pure_callback({self.name})"
 

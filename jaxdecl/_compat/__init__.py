@@ -63,6 +63,7 @@ from .lowering import (  # noqa: F401
     register_batch_partitionable,
     register_lowering,
     reshape,
+    run_on_one_device,
     sdy_rule_attribute,
     serializable_partition_callbacks,
 )

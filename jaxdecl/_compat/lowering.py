@@ -103,3 +103,21 @@ def reshape(ctx, value, aval):
     from jax._src.interpreters import mlir as internal
 
     return internal.reshape(ctx, value, aval)
+
+
+def run_on_one_device(ctx, op, sharding) -> None:
+    """Annotates custom call `op` to run on the one device of `sharding`, as
+    ``jax.pure_callback``'s own lowering does (a maximal sharding: XLA moves the
+    operands there and the results from there). Nothing where no SPMD partitioning
+    runs; the caller has checked that the program holds the device."""
+    from jax._src import callback
+    from jax._src.interpreters import mlir as internal
+
+    annotation = callback._callback_op_sharding(ctx.module_context.axis_context, sharding,
+                                                ctx.avals_out)
+    if annotation is None:
+        return
+    if "ctx" in inspect.signature(internal.set_sharding).parameters:  # (JAX >= 0.10)
+        internal.set_sharding(ctx.module_context, op, annotation)
+    else:
+        internal.set_sharding(op, annotation)

@@ -33,11 +33,14 @@ from .. import _compat
 from .plan import to_spec
 
 
-def local_body(run, plan, *, out_avals, once_per_block: bool, axis_sizes: dict):
+def local_body(run, plan, *, out_avals, once_per_block: bool, axis_sizes: dict,
+               runs_at: int = 0):
     """The per-device function of plan `plan`: `run` on the blocks, then the sums.
 
     `run(*blocks)` returns the local results; `out_avals` are their
-    ``(shape, dtype)`` (the zeros that skipping devices contribute).
+    ``(shape, dtype)`` (the zeros that skipping devices contribute). With
+    `once_per_block`, the device at row-major position `runs_at` along the idle
+    axes runs it (0 but for a call bound to one device).
     """
     idle = tuple(plan.idle) if once_per_block else ()
 
@@ -48,7 +51,7 @@ def local_body(run, plan, *, out_avals, once_per_block: bool, axis_sizes: dict):
             index = 0
             for axis in idle:  # this device's position along the idle axes, row-major
                 index = index * axis_sizes[axis] + jax.lax.axis_index(axis)
-            outs = jax.lax.cond(index == 0, lambda v: tuple(run(*v)),
+            outs = jax.lax.cond(index == runs_at, lambda v: tuple(run(*v)),
                                 lambda v: tuple(jnp.zeros(s, d) for s, d in out_avals),
                                 tuple(blocks))
         return [_sum(o, tuple(axes) + idle) for o, axes in zip(outs, plan.summed)]
@@ -64,7 +67,8 @@ def _sum(value, axes):
     return _compat.psum(value, axes)
 
 
-def build(run, mesh, plan, *, out_avals, once_per_block: bool, have, want, explicit: bool, lead=()):
+def build(run, mesh, plan, *, out_avals, once_per_block: bool, have, want, explicit: bool, lead=(),
+          runs_at: int = 0):
     """``whole(*lead_operands, *operands)``: the shard_map of `run` under plan `plan`.
 
     `have` are the operands' specs as they arrive and `want` the specs their
@@ -72,10 +76,11 @@ def build(run, mesh, plan, *, out_avals, once_per_block: bool, have, want, expli
     operand is first resharded to the plan's spec (a replicated operand beside
     a split one is sliced: no communication; a dim the op needs whole is
     gathered), and each result to its wanted spec. `lead` are the specs of
-    leading operands passed through unsplit (the eager kernel slot).
+    leading operands passed through unsplit (the eager kernel slot); `runs_at`: see
+    :func:`local_body`.
     """
     local = local_body(run, plan, out_avals=out_avals, once_per_block=once_per_block,
-                       axis_sizes=dict(mesh.shape))
+                       axis_sizes=dict(mesh.shape), runs_at=runs_at)
     mapped = _compat.shard_map(
         local, mesh, in_specs=tuple(map(to_spec, lead)) + tuple(map(to_spec, plan.operand_specs)),
         out_specs=[to_spec(s) for s in plan.result_specs])

@@ -14,6 +14,9 @@ program being compiled, then emits it:
 - ``PER_SHARD_MAP``: over Explicit axes the types fix the plan now, so the
   equation lowers as a ``shard_map`` built by :mod:`jaxdecl._sharded.shardmap`.
 
+A call bound to one device (``jd.pure_callback(..., sharding=)``) lowers by
+:mod:`jaxdecl._transforms.one_device` instead.
+
 An op without a declaration takes the same paths with its implied plan (every
 dim whole but the vmapped ones), running once per distinct block.
 
@@ -48,6 +51,7 @@ from .._sharded import shardy as _shardy
 from .._sharded import strategy as _strategy
 from .._sharded.strategy import Strategy
 from .._spec import interface as _interface
+from . import one_device as _one_device
 from . import recipes as _recipes
 from .primitive import bind, broadcast_vmapped, jaxdecl_p, mesh_of
 
@@ -104,6 +108,10 @@ def lower(ctx, *args, equation):
     eqn.user_rule()  # raises MissingRuleError before anything runs
     _refuse_partly_manual(ctx, eqn)
     in_shapes = tuple(tuple(aval.shape) for aval in ctx.avals_in)
+    sharding = getattr(eqn.op.instance, "_jaxdecl_one_device_", None)
+    if sharding is not None:  # (jd.pure_callback(..., sharding=))
+        return _one_device.lower(ctx, args, eqn, sharding, program_mesh=_program_mesh,
+                                 direct=functools.partial(lower_direct, ctx, args, eqn, in_shapes))
     mesh, devices = _program_mesh(ctx)
     explicit = mesh is not None and _compat.has_explicit_axes(mesh)
     facts = dict(devices=devices, declared=eqn.declared, explicit=explicit)
