@@ -94,6 +94,56 @@ def test_bound_methods_and_module_functions_reuse_their_op():
         np.sin, jax.ShapeDtypeStruct((4,), np.float64))
 
 
+def test_one_callback_called_by_turns_with_other_arguments_gets_each_its_op():
+    """The quickest lookup (a callback's last op) checks every argument: shapes, dtypes,
+    structure, vmap_method and x64 alternating call by call each get their own op."""
+    calls = [(S, (X,), "sequential"), (jax.ShapeDtypeStruct((4,), np.float64), (jnp.ones(4),),
+                                       "sequential"),
+             (S, (X,), "expand_dims"), (jax.ShapeDtypeStruct((3,), np.float32),
+                                        (X.astype(np.float32),), "sequential"),
+             (S, ({"x": X},), "sequential")]
+
+    def sine(x):
+        return np.sin(x["x"] if isinstance(x, dict) else x)
+
+    for _ in range(3):
+        found = []
+        for result, args, method in calls:
+            y = jd.pure_callback(sine, result, *args, vmap_method=method)
+            assert y.shape == result.shape and y.dtype == result.dtype
+            np.testing.assert_allclose(y, np.sin(np.arange(float(y.size))) if y.size == 3
+                                       else np.sin(np.ones(4)), rtol=1e-6)
+            found.append(_callback.op_for(
+                sine, result, method, None,
+                jax.tree_util.tree_structure((args, {}))))
+        assert len({id(op) for op in found}) == len(calls)
+    jax.config.update("jax_enable_x64", False)
+    try:
+        assert jd.pure_callback(sine, jax.ShapeDtypeStruct((3,), np.float32),
+                                X.astype(np.float32)).dtype == np.float32
+        off = _callback.op_for(sine, jax.ShapeDtypeStruct((3,), np.float32))
+    finally:
+        jax.config.update("jax_enable_x64", True)
+    assert off is not _callback.op_for(sine, jax.ShapeDtypeStruct((3,), np.float32))
+
+
+def test_an_unhashable_callable_object_is_a_callback_too():
+    class Scaled:
+        __hash__ = None  # (defines __eq__: unhashable, as such classes are)
+
+        def __init__(self, c):
+            self.c = c
+
+        def __eq__(self, other):
+            return isinstance(other, Scaled) and self.c == other.c
+
+        def __call__(self, x):
+            return x * self.c
+
+    for c in (2.0, 3.0, 2.0):
+        np.testing.assert_array_equal(jd.pure_callback(Scaled(c), S, X), X * c)
+
+
 @pytest.mark.parametrize("how", ["eager", "jit"])
 def test_distinct_lambdas_leave_no_kernels_behind(how):
     _callback.clear()

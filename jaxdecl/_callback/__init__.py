@@ -52,6 +52,10 @@ _ALLOWED_SET = frozenset(_ALLOWED)
 
 _recent: collections.OrderedDict = collections.OrderedDict()
 _alive: dict = {}
+#: callback -> (shape, dtype, in_tree, vmap_method, sharding, x64, op) of its last call
+#: with one declared array (op_for's first, cheapest lookup).
+_last: dict = {}
+_X64 = _compat.X64
 _lock = threading.RLock()  # (an op dropped under it runs _forget)
 
 
@@ -91,11 +95,13 @@ def pure_callback(callback, result_shape_dtypes, *args, sharding=None, vmap_meth
         leaves, in_tree = _flatten((args, kwargs))
     else:
         for a in args:
-            if not isinstance(a, _ARRAY_TYPES):
+            if type(a) not in _ARRAY_CLASSES and not isinstance(a, _ARRAY_TYPES):
                 leaves, in_tree = _flatten((args, kwargs))
                 break
         else:
-            in_tree = ops.positional_tree(len(args))
+            in_tree = _POSITIONAL.get(len(args))
+            if in_tree is None:
+                in_tree = ops.positional_tree(len(args))
     op = op_for(callback, result_shape_dtypes, vmap_method, sharding, in_tree)
     if sharding is not None and _compat.not_tracing():
         leaves = _onto_device(leaves, sharding)  # (traced, the lowering places the call)
@@ -110,6 +116,8 @@ pure_callback.__signature__ = _JAX_SIGNATURE
 _flatten = jax.tree_util.tree_flatten
 _ShapeDtypeStruct = jax.ShapeDtypeStruct
 _ARRAY_TYPES = (jax.Array, np.ndarray)
+_ARRAY_CLASSES = frozenset((_compat.ArrayImpl, np.ndarray))  # (no isinstance on jax.Array)
+_POSITIONAL = ops.POSITIONAL
 
 
 def op_for(callback, result_shape_dtypes, vmap_method=None, sharding=None,
@@ -119,11 +127,26 @@ def op_for(callback, result_shape_dtypes, vmap_method=None, sharding=None,
     (:mod:`jaxdecl._callback.keys`) where one is alive, else a new one."""
     if in_tree is None:
         in_tree = ops.positional_tree(1)
+    x64 = _X64.value
+    one = type(result_shape_dtypes) is _ShapeDtypeStruct  # (the common case: no flattening)
+    if one:
+        # An eager loop calls the same callback with equal arguments: found by the
+        # callback alone (a dict's get, no key to hash), then checked field by field.
+        shape, dtype = result_shape_dtypes.shape, result_shape_dtypes.dtype
+        try:
+            last = _last.get(callback)
+        except TypeError:  # (an unhashable callable)
+            last = None
+        if last is not None and last[0] == shape and last[1] == dtype and \
+                (last[2] is in_tree or last[2] == in_tree) and last[3] == vmap_method and \
+                last[4] == sharding and last[5] == x64:
+            op = last[6]
+            if op.callback is callback or keys.same(op.callback, callback):
+                return op
     callable_key = keys.key_of(callback)
-    x64 = jax.config.jax_enable_x64
-    if type(result_shape_dtypes) is _ShapeDtypeStruct:  # (the common case: no flattening)
+    if one:
         declared = None
-        wanted = (None, ((result_shape_dtypes.shape, result_shape_dtypes.dtype),))
+        wanted = (None, ((shape, dtype),))
     else:
         declared = results.declared(result_shape_dtypes, _Named(callback))
         tree, structs = declared
@@ -137,6 +160,8 @@ def op_for(callback, result_shape_dtypes, vmap_method=None, sharding=None,
             _recent.move_to_end(key)
         except KeyError:  # another thread dropped it meanwhile: it is still this op
             pass
+        if one:
+            _remember(callback, (shape, dtype, in_tree, vmap_method, sharding, x64, op))
         return op
     with _lock:
         ref = _alive.get(key)
@@ -157,7 +182,20 @@ def op_for(callback, result_shape_dtypes, vmap_method=None, sharding=None,
         _alive[key] = weakref.ref(op, lambda _, key=key: _forget(key))
         while len(_recent) > RECENT:
             _recent.popitem(last=False)
+    if one:
+        _remember(callback, (shape, dtype, in_tree, vmap_method, sharding, x64, op))
     return op
+
+
+def _remember(callback, entry) -> None:
+    """`entry` as the last op of `callback` (at most RECENT callbacks are remembered: like
+    the recent ops, they live on only that long)."""
+    if len(_last) >= RECENT:
+        _last.clear()
+    try:
+        _last[callback] = entry
+    except TypeError:  # (an unhashable callable)
+        pass
 
 
 def _forget(key) -> None:
@@ -198,3 +236,4 @@ def clear() -> None:
     """Forgets the recently used ops (tests of lifetimes; the cache refills itself)."""
     with _lock:
         _recent.clear()
+        _last.clear()

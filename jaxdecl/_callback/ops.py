@@ -34,7 +34,6 @@ jaxdecl's kernels are shared between them.
 
 from __future__ import annotations
 
-import functools
 import re
 import sys
 import threading
@@ -157,10 +156,17 @@ class PureCallback(_declare.Primitive):
             f"jd.Primitive class with @jd.jvp / @jd.vjp rules")
 
 
-@functools.lru_cache(maxsize=64)
+#: count -> the structure of `count` positional arrays and no keywords (read by every
+#: eager call: a dict's get, not a cached function's call).
+POSITIONAL: dict = {}
+
+
 def positional_tree(count: int):
     """The structure of `count` positional arrays and no keywords."""
-    return jax.tree_util.tree_structure((tuple(range(count)), {}))
+    tree = POSITIONAL.get(count)
+    if tree is None:
+        tree = POSITIONAL.setdefault(count, jax.tree_util.tree_structure((tuple(range(count)), {})))
+    return tree
 
 
 def _unnamed(callback) -> str:

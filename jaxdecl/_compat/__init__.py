@@ -35,6 +35,7 @@ from jax.interpreters import ad, batching, mlir  # noqa: F401 - the registries
 from .core import (  # noqa: F401
     JAX_VERSION,
     JAX_VERSION_TEXT,
+    X64,
     ArrayImpl,
     JaxRuntimeError,
     Primitive,

@@ -183,3 +183,17 @@ def register_ffi_state_type(name: str, registration: dict, platform: str = "cpu"
         return
     direct = getattr(xla_module, "register_custom_type_id", None)  # pragma: no cover - older
     direct(name, registration["type_id"])  # pragma: no cover - older
+
+
+# ``jax_enable_x64`` as a state whose ``.value`` reads it (thread-local settings
+# included) several times faster than ``jax.config.jax_enable_x64``: an eager call's
+# lookup of its op reads it every time.
+try:
+    from jax._src.config import enable_x64 as X64
+except ImportError:  # (a JAX that moves it: the public flag, read the same way)
+    class _PublicX64:
+        @property
+        def value(self):
+            return jax.config.jax_enable_x64
+
+    X64 = _PublicX64()
