@@ -1,14 +1,19 @@
 // C kernels (kernels.h, jaxdecl.h): a rule compiled to a C function, run on
 // descriptions of XLA's buffers without the GIL: once, or once per row of a
-// looped batch (rows.h); given only the operands it takes; conjugated around
+// looped batch (rows.h), the rows of a large call on XLA's intra-op pool; given only the operands it takes; conjugated around
 // the call where the rule is an adjoint.  (From Python, jaxdecl/_cfunction.py
 // calls a kernel through ctypes.)
 //
 // Kept apart because it is the one path that touches no Python object per
 // call: the buffer descriptions and the error message buffer are all it needs.
 
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -112,21 +117,124 @@ std::string CallFunction(const Kernel& kernel, std::vector<jaxdecl_buffer> input
   return error;
 }
 
+// " (row r of n)": where a looped call failed, its rows counted row-major.
+std::string InRow(const std::string& error, int64_t row, int64_t rows) {
+  return error + " (row " + std::to_string(row) + " of " + std::to_string(rows) + ")";
+}
+
+// Rows run on XLA's intra-op pool once a call moves at least this many bytes
+// (operands and results together), in tasks of at least kTaskBytes each:
+// below, scheduling (microseconds per task) costs more than the rows gain.
+constexpr int64_t kParallelBytes = 256 * 1024;
+constexpr int64_t kTaskBytes = 64 * 1024;
+
+// A looped call's rows, shared by the caller and the pool's tasks: each takes
+// the next row until none is left.  Heap-held, because a task may start after
+// the call has returned; such a task finds `closed` and touches nothing else.
+struct RowJob {
+  const Kernel* kernel;
+  RowCursor cursor;  // each worker seeks its own copy
+  std::vector<jaxdecl_buffer> inputs, outputs;  // batch dims dropped
+  std::vector<void*> starts;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> failed{INT64_MAX};  // the first failing row so far
+  std::atomic<int> active{0};  // tasks inside Work
+  std::atomic<bool> closed{false};
+  std::mutex mutex;
+  std::condition_variable idle;
+  std::string error;  // row `failed`'s, under `mutex`
+
+  RowJob(const Kernel& k, const RowCursor& c) : kernel(&k), cursor(c) {}
+
+  // Rows, taken one by one in row order, until none is left or one before
+  // the next has failed (rows are taken in order, so no later one matters).
+  void Work() {
+    RuleFpEnvironment environment;  // per thread: the caller's usual one (fp_env.h)
+    RowCursor mine = cursor;
+    std::vector<jaxdecl_buffer> in = inputs, out = outputs;
+    for (int64_t row; (row = next.fetch_add(1)) < cursor.rows();) {
+      if (row > failed.load()) break;
+      mine.Seek(row);
+      size_t k = 0;
+      for (auto* side : {&in, &out}) {
+        for (jaxdecl_buffer& buffer : *side) {
+          buffer.data = static_cast<char*>(starts[k]) + mine.offset(k);
+          ++k;
+        }
+      }
+      std::string row_error = CallFunction(*kernel, in, out);
+      if (!row_error.empty()) {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (row < failed.load()) {
+          failed.store(row);
+          error = std::move(row_error);
+        }
+      }
+    }
+  }
+};
+
+// How many workers a call's rows get: 1 (the caller alone) unless the call
+// moves enough bytes and the pool has threads to spare.
+int64_t WorkersFor(ffi::ThreadPool* pool, int64_t rows, int64_t bytes) {
+  if (pool == nullptr || rows < 2 || bytes < kParallelBytes) return 1;
+  int64_t threads = pool->num_threads();
+  return std::max<int64_t>(1, std::min({threads + 1, rows, bytes / kTaskBytes}));
+}
+
+// The rows on `workers` threads: the caller and workers - 1 pool tasks.  The
+// caller waits only for tasks that have started taking rows, never for one
+// still queued (the pool may be busy with calls like this one).
+std::string RunRowsOnPool(std::shared_ptr<RowJob> job, ffi::ThreadPool& pool,
+                          int64_t workers) {
+  for (int64_t t = 1; t < workers; ++t) {
+    pool.Schedule([job] {
+      job->active.fetch_add(1);
+      if (!job->closed.load()) job->Work();
+      if (job->active.fetch_sub(1) == 1) {
+        std::lock_guard<std::mutex> lock(job->mutex);
+        job->idle.notify_all();
+      }
+    });
+  }
+  job->Work();
+  job->closed.store(true);  // (seq_cst with `active`: a later task sees it)
+  std::unique_lock<std::mutex> lock(job->mutex);
+  job->idle.wait(lock, [&] { return job->active.load() == 0; });
+  int64_t failed = job->failed.load();
+  return failed == INT64_MAX ? std::string() : InRow(job->error, failed, job->cursor.rows());
+}
+
 // batch="loop": the function once per row, on descriptions of each row (the
-// batch dimensions dropped) moved along the buffers.  No Python, no GIL.
+// batch dimensions dropped) moved along the buffers.  No Python, no GIL.  On
+// XLA's intra-op pool where the call is large enough (a C kernel is
+// thread-safe by contract, jaxdecl.h); the first failing row in row order
+// fails the call, as in sequence.
 std::string RunRowsOf(const Kernel& kernel, std::vector<jaxdecl_buffer> inputs,
-                      std::vector<jaxdecl_buffer> outputs) {
+                      std::vector<jaxdecl_buffer> outputs, ffi::ThreadPool* pool) {
   RowCursor cursor(kernel.row_dims);
   std::vector<void*> starts;
+  int64_t bytes = 0;
   for (auto* side : {&inputs, &outputs}) {
     for (jaxdecl_buffer& buffer : *side) {
       if (!cursor.Add(buffer.dims, buffer.rank, ElementBytes(buffer.dtype))) {
         return "jaxdecl: the call's buffers do not fit its batch";
       }
+      int64_t count = 1;
+      for (int64_t d = 0; d < buffer.rank; ++d) count *= buffer.dims[d];
+      bytes += count * static_cast<int64_t>(ElementBytes(buffer.dtype));
       starts.push_back(buffer.data);
       buffer.dims += cursor.rank();
       buffer.rank -= cursor.rank();
     }
+  }
+  int64_t workers = WorkersFor(pool, cursor.rows(), bytes);
+  if (workers > 1) {
+    auto job = std::make_shared<RowJob>(kernel, cursor);
+    job->inputs = std::move(inputs);
+    job->outputs = std::move(outputs);
+    job->starts = std::move(starts);
+    return RunRowsOnPool(std::move(job), *pool, workers);
   }
   for (int64_t row = 0; row < cursor.rows(); ++row) {
     if (row > 0) cursor.Next();
@@ -138,7 +246,7 @@ std::string RunRowsOf(const Kernel& kernel, std::vector<jaxdecl_buffer> inputs,
       }
     }
     std::string error = CallFunction(kernel, inputs, outputs);
-    if (!error.empty()) return error;
+    if (!error.empty()) return InRow(error, row, cursor.rows());
   }
   return {};
 }
@@ -152,11 +260,12 @@ std::string RunCKernel(const Kernel& kernel, const Call& call) {
     return "jaxdecl: an operand is not a buffer";
   }
   std::string error;
-  {
+  if (kernel.row_dims.empty()) {
     RuleFpEnvironment environment;  // the caller's usual one, not XLA's (fp_env.h)
-    error = kernel.row_dims.empty()
-                ? CallFunction(kernel, std::move(inputs), outputs)
-                : RunRowsOf(kernel, std::move(inputs), std::move(outputs));
+    error = CallFunction(kernel, std::move(inputs), outputs);
+  } else {
+    RuleFpEnvironment environment;  // (each pool task sets its own)
+    error = RunRowsOf(kernel, std::move(inputs), std::move(outputs), call.pool);
   }
   return error.empty() ? error : kernel.name + ": " + error;
 }

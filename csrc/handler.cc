@@ -51,20 +51,20 @@ ffi::Error Run(const Kernel& kernel, const Call& call) {
 
 // The attributes are the call site's; it already holds what they say.
 // `drop`: see JaxdeclDispatchSplitImpl.
-ffi::Error ExecuteSite(StateAccess access, ffi::RemainingArgs args,
+ffi::Error ExecuteSite(StateAccess access, ffi::ThreadPool& pool, ffi::RemainingArgs args,
                        ffi::RemainingRets rets, int drop) {
   CallSite* site = GetCallSite(access);
   if (site == nullptr) {
     return AsError("jaxdecl: the call site was not instantiated");
   }
   if (!Resolve(*site)) return AsError(NotAvailable(*site));
-  return Run(*site->kernel, Call{args, rets, /*eager=*/false, &site->views, drop});
+  return Run(*site->kernel, Call{args, rets, /*eager=*/false, &site->views, drop, &pool});
 }
 
 ffi::Error JaxdeclDispatchImpl(StateAccess access, int64_t, int64_t,
-                               std::string_view, std::string_view, ffi::RemainingArgs args,
-                               ffi::RemainingRets rets) {
-  return ExecuteSite(access, args, rets, /*drop=*/0);
+                               std::string_view, std::string_view, ffi::ThreadPool pool,
+                               ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  return ExecuteSite(access, pool, args, rets, /*drop=*/0);
 }
 
 // A call site that XLA's batch partitioner splits: every operand and result
@@ -74,13 +74,13 @@ ffi::Error JaxdeclDispatchImpl(StateAccess access, int64_t, int64_t,
 // unit dimension out.
 ffi::Error JaxdeclDispatchSplitImpl(StateAccess access, int64_t, int64_t,
                                     std::string_view, std::string_view,
-                                    ffi::RemainingArgs args,
+                                    ffi::ThreadPool pool, ffi::RemainingArgs args,
                                     ffi::RemainingRets rets) {
-  return ExecuteSite(access, args, rets, /*drop=*/1);
+  return ExecuteSite(access, pool, args, rets, /*drop=*/1);
 }
 
-ffi::Error JaxdeclDispatchEagerImpl(ffi::AnyBuffer slot, ffi::RemainingArgs args,
-                                    ffi::RemainingRets rets) {
+ffi::Error JaxdeclDispatchEagerImpl(ffi::ThreadPool pool, ffi::AnyBuffer slot,
+                                    ffi::RemainingArgs args, ffi::RemainingRets rets) {
   int64_t key = -1;
   if (slot.element_type() == ffi::DataType::S64) {
     key = *static_cast<const int64_t*>(slot.untyped_data());
@@ -94,7 +94,8 @@ ffi::Error JaxdeclDispatchEagerImpl(ffi::AnyBuffer slot, ffi::RemainingArgs args
   }
   // The kernel's own views: its shapes are fixed, so they serve every eager
   // call as a call site's serve every run.
-  return Run(*kernel, Call{args, rets, /*eager=*/true, &kernel->eager_views, /*drop=*/0});
+  return Run(*kernel,
+             Call{args, rets, /*eager=*/true, &kernel->eager_views, /*drop=*/0, &pool});
 }
 
 }  // namespace
@@ -103,18 +104,21 @@ ffi::Error JaxdeclDispatchEagerImpl(ffi::AnyBuffer slot, ffi::RemainingArgs args
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxdeclDispatch, jaxdecl::JaxdeclDispatchImpl,
     jaxdecl::BindCallSite<ffi::ExecutionStage::kExecute>()  // the call site
+        .Ctx<ffi::ThreadPool>()                             // where rows may run
         .RemainingArgs()                                    // the rule's operands, in order
         .RemainingRets());                                  // the rule's results, in order
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxdeclDispatchSplit, jaxdecl::JaxdeclDispatchSplitImpl,
     jaxdecl::BindCallSite<ffi::ExecutionStage::kExecute>()  // the call site
+        .Ctx<ffi::ThreadPool>()  // where rows may run
         .RemainingArgs()    // the rule's operands, each with a trailing unit dim
         .RemainingRets());  // the rule's results, likewise
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxdeclDispatchEager, jaxdecl::JaxdeclDispatchEagerImpl,
     ffi::Ffi::Bind()
+        .Ctx<ffi::ThreadPool>()  // where rows may run
         .Arg<ffi::AnyBuffer>()  // the kernel's slot, an int32 or int64 scalar
         .RemainingArgs()        // the rule's operands, in order
         .RemainingRets());      // the rule's results, in order

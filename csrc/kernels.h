@@ -30,6 +30,9 @@ struct Call {
   bool eager;
   ViewCache* cache;  // a compiled call site's reusable views, or null (eager)
   int drop;          // trailing dimensions of every buffer the rule does not see
+  // XLA's intra-op thread pool, where a C kernel's rows may run (rows.h); null
+  // where the handler has none (a staged GPU call).
+  ffi::ThreadPool* pool = nullptr;
 };
 
 // The most positional arguments a direct rule call passes ([instance,]

@@ -43,6 +43,17 @@ void RowCursor::Next() {
   }
 }
 
+void RowCursor::Seek(int64_t row) {
+  size_t n = batch_.size();
+  size_t operands = offsets_.size();
+  for (size_t k = 0; k < operands; ++k) offsets_[k] = 0;
+  for (size_t j = n; j-- > 0;) {
+    index_[j] = row % batch_[j];
+    row /= batch_[j];
+    for (size_t k = 0; k < operands; ++k) offsets_[k] += steps_[k * n + j] * index_[j];
+  }
+}
+
 namespace {
 
 PyArrayObject* AsArray(PyObject* object) {

@@ -43,6 +43,9 @@ class RowCursor {
   // Moves every operand on to the next row.
   void Next();
 
+  // Moves every operand to row `row` (row-major over the batch dims), from anywhere.
+  void Seek(int64_t row);
+
  private:
   std::vector<int64_t> batch_;
   std::vector<int64_t> index_;    // the current row's index along each batch dim
