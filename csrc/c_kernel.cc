@@ -11,6 +11,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -174,12 +175,27 @@ struct RowJob {
   }
 };
 
+int64_t RowThreadsAtStart() {
+  const char* text = std::getenv("JAXDECL_ROW_THREADS");
+  if (text == nullptr || *text == '\0') return 0;
+  char* end = nullptr;
+  long long value = std::strtoll(text, &end, 10);
+  return (*end == '\0' && value > 0) ? value : 0;  // (anything else: no cap)
+}
+
+std::atomic<int64_t>& RowThreadsCap() {
+  static std::atomic<int64_t> cap{RowThreadsAtStart()};
+  return cap;
+}
+
 // How many workers a call's rows get: 1 (the caller alone) unless the call
-// moves enough bytes and the pool has threads to spare.
+// moves enough bytes and the pool has threads to spare; at most RowThreads().
 int64_t WorkersFor(ffi::ThreadPool* pool, int64_t rows, int64_t bytes) {
-  if (pool == nullptr || rows < 2 || bytes < kParallelBytes) return 1;
-  int64_t threads = pool->num_threads();
-  return std::max<int64_t>(1, std::min({threads + 1, rows, bytes / kTaskBytes}));
+  int64_t cap = RowThreadsCap().load(std::memory_order_relaxed);
+  if (pool == nullptr || rows < 2 || bytes < kParallelBytes || cap == 1) return 1;
+  int64_t workers = std::min({pool->num_threads() + 1, rows, bytes / kTaskBytes});
+  if (cap > 0) workers = std::min(workers, cap);
+  return std::max<int64_t>(1, workers);
 }
 
 // The rows on `workers` threads: the caller and workers - 1 pool tasks.  The
@@ -252,6 +268,10 @@ std::string RunRowsOf(const Kernel& kernel, std::vector<jaxdecl_buffer> inputs,
 }
 
 }  // namespace
+
+int64_t RowThreads() { return RowThreadsCap().load(); }
+
+void SetRowThreads(int64_t threads) { RowThreadsCap().store(threads > 0 ? threads : 0); }
 
 std::string RunCKernel(const Kernel& kernel, const Call& call) {
   std::vector<jaxdecl_buffer> inputs, outputs;

@@ -42,6 +42,11 @@ constexpr Py_ssize_t kMaxDirectArgs = 64;
 // ("out",): the keyword names of a direct rule call.  GIL held.
 PyObject* OutKeyword();
 
+// The most threads one call's rows run on (c_kernel.cc): 0 for as many as XLA's
+// pool has, 1 for in sequence.  JAXDECL_ROW_THREADS sets it at start-up.
+int64_t RowThreads();
+void SetRowThreads(int64_t threads);
+
 // Calls a Python kernel as kernel(inputs, outputs, eager) (or its direct
 // form), taking the GIL.
 std::string RunPythonKernel(const Kernel& kernel, const Call& call);

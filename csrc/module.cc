@@ -14,6 +14,7 @@
 #include <string>
 
 #include "gpu/gpu.h"
+#include "kernels.h"
 #include "registry.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -161,6 +162,12 @@ PYBIND11_MODULE(_dispatch, m) {
         "`operands`: the indices it takes (all if empty); `rows`: the batch dims of "
         "batch=\"loop\"; `conj_from`: an adjoint's first conjugated operand, or -1; "
         "`device_call`/`gpu_address`: a device rule, as for register_kernel.");
+
+  m.def("set_row_threads", &jaxdecl::SetRowThreads, py::arg("threads"),
+        "The most threads one call's rows run on (a looped C kernel's, on XLA's "
+        "intra-op pool): 0 for as many as the pool has, 1 for in sequence. "
+        "JAXDECL_ROW_THREADS sets it at start-up.");
+  m.def("row_threads", &jaxdecl::RowThreads, "See set_row_threads.");
 
   m.def("release_kernel", &jaxdecl::ReleaseKernel, py::arg("slot"),
         "Drops a registration; False if the slot held none.");

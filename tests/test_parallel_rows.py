@@ -128,3 +128,35 @@ def test_rows_split_over_devices_run_on_each_devices_call(Twice):
     y, _ = jax.jit(jax.vmap(Twice(), in_axes=(0, None)))(xs, 500.0)
     np.testing.assert_array_equal(y, 2 * x + 1)
     assert isinstance(jnp.asarray(y), jax.Array)
+
+
+def test_row_threads_caps_the_threads_of_a_call(Twice):
+    """``JAXDECL_ROW_THREADS`` (read at start-up) and ``set_row_threads``: 1 runs the rows
+    in sequence, on the calling thread; 0 lifts the cap again."""
+    from jaxdecl._host import _dispatch
+
+    f = jax.jit(jax.vmap(Twice(), in_axes=(0, None)))
+    x = _rows(8)
+    before = _dispatch.row_threads()
+    _dispatch.set_row_threads(1)
+    try:
+        y, threads = f(x, 1000.0)
+        np.testing.assert_array_equal(y, 2 * x + 1)
+        assert len(set(threads.tolist())) == 1
+    finally:
+        _dispatch.set_row_threads(before)
+    _, threads = f(x, 2000.0)
+    assert len(set(threads.tolist())) > 1
+
+
+def test_the_environment_variable_sets_the_cap_at_start_up():
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    code = "from jaxdecl._host import _dispatch; print(_dispatch.row_threads())"
+    for value, expected in (("1", "1"), ("3", "3"), ("", "0"), ("many", "0")):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env=subprocess_env(JAXDECL_ROW_THREADS=value), check=True)
+        assert done.stdout.strip() == expected, (value, done.stdout, done.stderr)

@@ -70,7 +70,7 @@ def pure_callback(callback, result_shape_dtypes, *args, sharding=None, vmap_meth
     reaches it (``"sequential"``, ``"sequential_unrolled"``, ``"expand_dims"``,
     ``"broadcast_all"``, ``"legacy_vectorized"``, or None to refuse ``vmap``);
     `sharding` (one device) is where the call runs, inside a program over many
-    devices too (:mod:`jaxdecl._transforms.one_device`).
+    devices too (see ``jaxdecl/_transforms/one_device.py``).
     It has no derivatives: wrap it in ``jax.custom_jvp``/``custom_vjp`` as with
     ``jax.pure_callback``.
 

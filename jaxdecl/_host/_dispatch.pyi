@@ -46,6 +46,14 @@ def register_c_kernel(fingerprint_hi: int, fingerprint_lo: int, name: str, addre
     adjoint, the first operand conjugated before the call (results after);
     `device_call`/`gpu_address`: a device rule, as for register_kernel."""
 
+def set_row_threads(threads: int) -> None:
+    """The most threads one call's rows run on (a looped C kernel's, on XLA's intra-op
+    pool): 0 for as many as the pool has, 1 for in sequence. JAXDECL_ROW_THREADS sets it at
+    start-up."""
+
+def row_threads() -> int:
+    """See set_row_threads."""
+
 def release_kernel(slot: int) -> bool:
     """Drops a registration; False if the slot held none."""
 
