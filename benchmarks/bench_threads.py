@@ -20,6 +20,9 @@ over 8 and 64 rows of 1 KiB, 64 KiB and 1 MiB (float64). Variants:
 - ``floor[N threads]``: the C function by hand on as many Python threads as there are
   CPUs, each on its share of the rows (ctypes releases the GIL); ``by hand[1 thread]``.
 
+``4 devices``: one program on 4 host devices (XLA runs the 4 calls at once), a C kernel, a
+NumPy rule and a rule holding the GIL, against the same rows on 1 device.
+
 Targets: 1 MiB rows on the pool >= 0.85 x the floor's speed (pool time <= floor / 0.85);
 1 KiB rows no slower than in sequence (<= 1.05 x). Results go to
 ``benchmarks/results_threads.json`` and a chart to ``benchmarks/results_threads.png``.
@@ -38,6 +41,7 @@ import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -113,6 +117,43 @@ class CbrtNumPy(jd.Primitive):
     @jd.forward
     def apply(self, x, *, out):
         np.cbrt(x, out=out)
+
+
+class CbrtHoldingTheGIL(jd.Primitive):
+    """The same values, by np.cbrt on 256-value pieces in a Python loop: the GIL is held
+    between the pieces (most of the time), as a rule doing Python work holds it."""
+
+    @jd.abstract
+    def shapes(self, x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    @jd.forward
+    def apply(self, x, *, out):
+        flat, into = x.reshape(-1), out.reshape(-1)
+        for start in range(0, flat.size, 256):
+            np.cbrt(flat[start:start + 256], out=into[start:start + 256])
+
+
+def _by_rows(cls):
+    """`cls` declared by rows (``sharding="b n -> b n"``): each device runs its block."""
+    return type(cls.__name__ + "ByRows", (cls,), {}, sharding="b n -> b n")
+
+
+def devices_case(pool):
+    """The 4 concurrent calls of one program on 4 host devices (a block of 16 rows of
+    64 KiB each), against the same rows on 1 device: how a C kernel, a NumPy rule and a
+    rule holding the GIL overlap."""
+    x_np = np.random.default_rng(4).uniform(0.1, 100.0, (64, 8192))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("d",))
+    split = jax.device_put(x_np, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
+    whole = jax.device_put(x_np, jax.devices()[0])
+    variants = {}
+    for label, cls in (("C", CbrtC), ("NumPy rule", CbrtNumPy),
+                       ("rule holding the GIL", CbrtHoldingTheGIL)):
+        f = jax.jit(_by_rows(cls)())
+        variants[f"jaxdecl[{label}, 4 devices]"] = lambda f=f: lambda: f(split)
+        variants[f"jaxdecl[{label}, 1 device]"] = lambda f=f: lambda: f(whole)
+    return variants
 
 
 def _by_hand(x: np.ndarray, threads: int, pool):
@@ -205,6 +246,17 @@ def main(argv=None) -> dict:
                     report["targets"].append({"case": name, "measure": "time / sequential",
                                               "value": value, "target": f"<= {TINY_TARGET}",
                                               "met": value <= TINY_TARGET})
+        name = "4 devices x 16 rows x 64 KiB"
+        variants, skipped = harness.build_variants(devices_case(pool), rtol=1e-12)
+        stats = harness.time_case(variants, rounds=rounds, target_s=target_s, warmup=1,
+                                  max_seconds=max_seconds, min_rounds=min_rounds, settle=1)
+        speedups = {v: stats[v.replace("4 devices", "1 device")].median / stats[v].median
+                    for v in stats if "4 devices" in v}
+        harness.print_case(name, stats, {"1 device / 4 devices": speedups}, skipped)
+        report["devices"] = {
+            "title": name, "skipped": skipped,
+            "speedup_4_over_1": speedups,
+            "variants": {v: s.as_dict() for v, s in stats.items()}}
     report["meta"]["wall_s"] = time.perf_counter() - start
     print()
     for target in report["targets"]:

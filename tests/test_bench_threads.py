@@ -31,6 +31,7 @@ def _figures(report) -> dict:
 def test_the_committed_run_meets_its_targets_and_the_pages_quote_it():
     report = json.loads(RESULTS.read_text())
     assert len(report["cases"]) == 6 and report["targets"]
+    assert len(report["devices"]["speedup_4_over_1"]) == 3
     assert all(target["met"] for target in report["targets"]), report["targets"]
     figures = _figures(report)
     batching = (ROOT / "docs" / "concepts" / "batching.md").read_text()
@@ -53,6 +54,8 @@ def test_quick_run_reports_every_case(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "results_threads.json").read_text())
     assert set(report["cases"]) == set(json.loads(RESULTS.read_text())["cases"])
+    devices = report["devices"]
+    assert devices["skipped"] == {} and len(devices["speedup_4_over_1"]) == 3, devices
     for name, case in report["cases"].items():
         # every variant agreed with the C kernel's result before it was timed
         assert case["skipped"] == {}, (name, case["skipped"])

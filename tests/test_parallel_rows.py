@@ -160,3 +160,22 @@ def test_the_environment_variable_sets_the_cap_at_start_up():
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               env=subprocess_env(JAXDECL_ROW_THREADS=value), check=True)
         assert done.stdout.strip() == expected, (value, done.stdout, done.stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("repeat", range(3))
+def test_concurrent_calls_with_failing_rows_under_forced_gc(tmp_path, repeat):
+    """4 threads on 4 devices, 40 calls each at once, failing rows at random, GC at every
+    allocation, in a fresh process each time: every value right, every error naming its
+    call's first failing row, nothing hung (helpers_parallel_rows.py)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    helper = os.path.join(os.path.dirname(__file__), "helpers_parallel_rows.py")
+    done = subprocess.run([sys.executable, helper, str(tmp_path)], capture_output=True,
+                          text=True, timeout=600, env=subprocess_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("ok"), done.stdout[-3000:]
