@@ -193,7 +193,8 @@ std::atomic<int64_t>& RowThreadsCap() {
 int64_t WorkersFor(ffi::ThreadPool* pool, int64_t rows, int64_t bytes) {
   int64_t cap = RowThreadsCap().load(std::memory_order_relaxed);
   if (pool == nullptr || rows < 2 || bytes < kParallelBytes || cap == 1) return 1;
-  int64_t workers = std::min({pool->num_threads() + 1, rows, bytes / kTaskBytes});
+  // (the caller is one of them: as many as the pool has threads, no more)
+  int64_t workers = std::min({pool->num_threads(), rows, bytes / kTaskBytes});
   if (cap > 0) workers = std::min(workers, cap);
   return std::max<int64_t>(1, workers);
 }

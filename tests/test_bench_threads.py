@@ -2,7 +2,7 @@
 
 The batching page (docs/concepts/batching.md, "Rows in parallel") and the performance page
 quote the committed ``benchmarks/results_threads.json``: its speed-ups over the sequential
-run and against the by-hand floor.
+run, against the by-hand floor and on 4 devices, and any target it missed.
 """
 
 import json
@@ -28,11 +28,11 @@ def _figures(report) -> dict:
     return found
 
 
-def test_the_committed_run_meets_its_targets_and_the_pages_quote_it():
+def test_the_pages_quote_the_committed_run_and_its_misses():
     report = json.loads(RESULTS.read_text())
-    assert len(report["cases"]) == 6 and report["targets"]
-    assert len(report["devices"]["speedup_4_over_1"]) == 3
-    assert all(target["met"] for target in report["targets"]), report["targets"]
+    assert len(report["cases"]) == 6 and len(report["targets"]) == 4
+    devices = report["devices"]["speedup_4_over_1"]
+    assert len(devices) == 3
     figures = _figures(report)
     batching = (ROOT / "docs" / "concepts" / "batching.md").read_text()
     performance = (ROOT / "docs" / "concepts" / "performance.md").read_text()
@@ -40,6 +40,11 @@ def test_the_committed_run_meets_its_targets_and_the_pages_quote_it():
         speedup, floor = figures[f"{rows} rows x 1 MiB"]
         assert speedup in batching and floor in batching, (rows, speedup, floor)
         assert speedup in performance, (rows, speedup)
+    for target in report["targets"]:  # a target missed is said to be missed
+        if not target["met"]:
+            assert f"{target['value']:.2f}" in batching and "missed its target" in batching
+    for speedup in devices.values():
+        assert f"{speedup:.2f}" in batching and f"{speedup:.2f}" in performance, speedup
 
 
 def test_quick_run_reports_every_case(tmp_path):

@@ -150,6 +150,7 @@ def test_row_threads_caps_the_threads_of_a_call(Twice):
 
 
 def test_the_environment_variable_sets_the_cap_at_start_up():
+    import os
     import subprocess
     import sys
 
@@ -157,8 +158,12 @@ def test_the_environment_variable_sets_the_cap_at_start_up():
 
     code = "from jaxdecl._host import _dispatch; print(_dispatch.row_threads())"
     for value, expected in (("1", "1"), ("3", "3"), ("", "0"), ("many", "0")):
+        # (from the tests' folder: `python -c` puts its folder first on the path, and the
+        # checkout's root holds the source tree, built or not)
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              env=subprocess_env(JAXDECL_ROW_THREADS=value), check=True)
+                              env=subprocess_env(JAXDECL_ROW_THREADS=value),
+                              cwd=os.path.dirname(os.path.abspath(__file__)))
+        assert done.returncode == 0, done.stderr[-2000:]
         assert done.stdout.strip() == expected, (value, done.stdout, done.stderr)
 
 
