@@ -22,23 +22,10 @@ import numpy as np  # noqa: E402
 jax.config.update("jax_enable_x64", True)
 
 import test_parallel_rows  # noqa: E402
-from ops import compile_c  # noqa: E402
-
-import jaxdecl as jd  # noqa: E402
 
 
 def main(folder: str) -> None:
-    library = compile_c(test_parallel_rows.SOURCE, folder, name="stress")
-
-    class Twice(jd.Primitive):
-        @jd.abstract
-        def shapes(self, x, wait):
-            return (jax.ShapeDtypeStruct(x.shape, x.dtype),
-                    jax.ShapeDtypeStruct((), np.float64))
-
-        apply = jd.forward(jd.cfunction(library.twice, keepalive=library))
-
-    f = jax.jit(jax.vmap(Twice(), in_axes=(0, None)))
+    f = jax.jit(jax.vmap(test_parallel_rows.twice_op(folder)(), in_axes=(0, None)))
     problems, counts = [], {"ok": 0, "failed": 0}
     lock = threading.Lock()
 

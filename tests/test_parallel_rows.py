@@ -50,9 +50,9 @@ SOURCE = textwrap.dedent(r"""
 ROW = 8192  # float64 values per row: 64 KiB, so 8 rows are past the threshold
 
 
-@pytest.fixture(scope="module")
-def Twice(tmp_path_factory):
-    library = compile_c(SOURCE, tmp_path_factory.mktemp("parallel"), name="parallel")
+def twice_op(folder):
+    """The op of SOURCE's kernel, built in `folder`: (2 x + 1, the thread's id) per row."""
+    library = compile_c(SOURCE, folder, name="parallel")
 
     class Twice(jd.Primitive):
         @jd.abstract
@@ -63,6 +63,11 @@ def Twice(tmp_path_factory):
         apply = jd.forward(jd.cfunction(library.twice, keepalive=library))
 
     return Twice
+
+
+@pytest.fixture(scope="module")
+def Twice(tmp_path_factory):
+    return twice_op(tmp_path_factory.mktemp("parallel"))
 
 
 def _rows(n, size=ROW, seed=0):
