@@ -1,7 +1,8 @@
 // C kernels (kernels.h, jaxdecl.h): a rule compiled to a C function, run on
 // descriptions of XLA's buffers without the GIL: once, or once per row of a
-// looped batch (rows.h), the rows of a large call on XLA's intra-op pool; given only the operands it takes; conjugated around
-// the call where the rule is an adjoint.  (From Python, jaxdecl/_cfunction.py
+// looped batch (rows.h), the rows of a large call on XLA's intra-op pool;
+// given only the operands it takes; conjugated around the call where the rule
+// is an adjoint.  (From Python, jaxdecl/_cfunction.py
 // calls a kernel through ctypes.)
 //
 // Kept apart because it is the one path that touches no Python object per
@@ -65,9 +66,14 @@ void Conjugate(void* data, int64_t count) {
   for (int64_t i = 1; i < 2 * count; i += 2) values[i] = -values[i];
 }
 
-bool ConjugateIfComplex(const jaxdecl_buffer& buffer) {
+int64_t ElementCount(const jaxdecl_buffer& buffer) {
   int64_t count = 1;
   for (int64_t d = 0; d < buffer.rank; ++d) count *= buffer.dims[d];
+  return count;
+}
+
+bool ConjugateIfComplex(const jaxdecl_buffer& buffer) {
+  int64_t count = ElementCount(buffer);
   if (buffer.dtype == JAXDECL_COMPLEX64) {
     Conjugate<float>(buffer.data, count);
   } else if (buffer.dtype == JAXDECL_COMPLEX128) {
@@ -94,9 +100,7 @@ std::string CallFunction(const Kernel& kernel, std::vector<jaxdecl_buffer> input
     for (size_t i = kernel.c_conj_from; i < inputs.size(); ++i) {
       jaxdecl_buffer& buffer = inputs[i];
       if (buffer.dtype != JAXDECL_COMPLEX64 && buffer.dtype != JAXDECL_COMPLEX128) continue;
-      int64_t count = 1;
-      for (int64_t d = 0; d < buffer.rank; ++d) count *= buffer.dims[d];
-      size_t bytes = static_cast<size_t>(count) * ElementBytes(buffer.dtype);
+      size_t bytes = static_cast<size_t>(ElementCount(buffer)) * ElementBytes(buffer.dtype);
       copies[i].resize(bytes);
       std::memcpy(copies[i].data(), buffer.data, bytes);
       buffer.data = copies[i].data();
@@ -237,9 +241,7 @@ std::string RunRowsOf(const Kernel& kernel, std::vector<jaxdecl_buffer> inputs,
       if (!cursor.Add(buffer.dims, buffer.rank, ElementBytes(buffer.dtype))) {
         return "jaxdecl: the call's buffers do not fit its batch";
       }
-      int64_t count = 1;
-      for (int64_t d = 0; d < buffer.rank; ++d) count *= buffer.dims[d];
-      bytes += count * static_cast<int64_t>(ElementBytes(buffer.dtype));
+      bytes += ElementCount(buffer) * static_cast<int64_t>(ElementBytes(buffer.dtype));
       starts.push_back(buffer.data);
       buffer.dims += cursor.rank();
       buffer.rank -= cursor.rank();
@@ -281,12 +283,11 @@ std::string RunCKernel(const Kernel& kernel, const Call& call) {
     return "jaxdecl: an operand is not a buffer";
   }
   std::string error;
-  if (kernel.row_dims.empty()) {
+  {
     RuleFpEnvironment environment;  // the caller's usual one, not XLA's (fp_env.h)
-    error = CallFunction(kernel, std::move(inputs), outputs);
-  } else {
-    RuleFpEnvironment environment;  // (each pool task sets its own)
-    error = RunRowsOf(kernel, std::move(inputs), std::move(outputs), call.pool);
+    error = kernel.row_dims.empty()  // (each pool task sets its own environment)
+                ? CallFunction(kernel, std::move(inputs), outputs)
+                : RunRowsOf(kernel, std::move(inputs), std::move(outputs), call.pool);
   }
   return error.empty() ? error : kernel.name + ": " + error;
 }
